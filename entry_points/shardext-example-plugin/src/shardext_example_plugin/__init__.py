@@ -1,0 +1,1 @@
+"""Example physicsnemo-shardext plugin package (see ``clamp``)."""

@@ -1,0 +1,128 @@
+"""What a plugin hands back: patch declarations, collected by a ``PatchSet``.
+
+Plugins never write into ShardTensor. Their ``shardext_declare_patches`` hook
+receives a :class:`PatchSet` and *declares* patches on it; each declaration is
+validated on the spot (target exists, level fits, handler signature fits) so
+an error points at the plugin's own line. The framework installs the whole
+set later, or nothing of it.
+
+Example:
+    >>> import torch
+    >>> patches = PatchSet(plugin="demo")
+    >>> def roll_handler(func, types, args, kwargs): ...
+    >>> patches.function(torch.roll, roll_handler, priority=5)
+    >>> [(d.target_name, d.level.value, d.priority) for d in patches]
+    [('torch.roll', 'function', 5)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from physicsnemo_shardext.errors import InvalidPatchDeclaration
+from physicsnemo_shardext.shard_registries import PatchLevel
+from physicsnemo_shardext.targets import describe_target, infer_level, resolve_target, validate_handler
+
+__all__ = ["PatchDeclaration", "PatchSet"]
+
+
+@dataclass(frozen=True)
+class PatchDeclaration:
+    """One validated claim: "call ``handler`` for ``target`` at ``level``".
+
+    Attributes:
+        target: the registry key (callable, op name or OpOverload).
+        level: where ShardTensor consults the handler.
+        handler: the plugin's own function; installed as is (no wrapper).
+        priority: higher wins when several plugins claim one target.
+        override: the plugin knowingly replaces a PhysicsNeMo built-in.
+        description: one line for ``shardext list``.
+    """
+
+    target: Any
+    level: PatchLevel
+    handler: Callable
+    priority: int = 0
+    override: bool = False
+    description: str = ""
+
+    @property
+    def target_name(self) -> str:
+        """Readable name of the target, e.g. ``torch.nn.functional.gelu``."""
+        return describe_target(self.target)
+
+    @property
+    def key(self) -> tuple[PatchLevel, Any]:
+        """Identity of the registry slot this declaration claims."""
+        return (self.level, self.target)
+
+
+def _first_doc_line(handler: Callable) -> str:
+    """First line of a handler's docstring, or ``""``."""
+    lines = (getattr(handler, "__doc__", None) or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+class PatchSet:
+    """The registry object handed to a plugin's ``shardext_declare_patches`` hook.
+
+    Use :meth:`function`, :meth:`dispatch` or :meth:`named` (or :meth:`declare`,
+    which infers the level from the target's type). Declaring the same target
+    twice in one plugin is an error.
+    """
+
+    def __init__(self, plugin: str) -> None:
+        self.plugin = plugin
+        self._declarations: dict[tuple[PatchLevel, Any], PatchDeclaration] = {}
+
+    def declare(
+        self,
+        target: Any,
+        handler: Callable,
+        *,
+        level: PatchLevel | str | None = None,
+        priority: int = 0,
+        override: bool = False,
+        description: str = "",
+    ) -> None:
+        """Declare a patch; raises :class:`InvalidPatchDeclaration` naming plugin and target."""
+        name = describe_target(target)
+        try:
+            resolved_level = PatchLevel(level) if level is not None else infer_level(target)
+            key = resolve_target(target, resolved_level)
+            name = describe_target(key)
+            validate_handler(handler, resolved_level, key)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise ValueError(f"priority must be an int, got {priority!r}")
+        except ValueError as error:
+            raise InvalidPatchDeclaration(self.plugin, name, str(error)) from None
+        if (resolved_level, key) in self._declarations:
+            raise InvalidPatchDeclaration(self.plugin, name, "declared twice by the same plugin")
+        self._declarations[(resolved_level, key)] = PatchDeclaration(
+            target=key,
+            level=resolved_level,
+            handler=handler,
+            priority=priority,
+            override=override,
+            description=description or _first_doc_line(handler),
+        )
+
+    def function(self, target: Any, handler: Callable, **options: Any) -> None:
+        """Declare a ``__torch_function__`` handler ``handler(func, types, args, kwargs)``."""
+        self.declare(target, handler, level=PatchLevel.FUNCTION, **options)
+
+    def dispatch(self, target: Any, handler: Callable, **options: Any) -> None:
+        """Declare a ``__torch_dispatch__`` handler for an aten OpOverload."""
+        self.declare(target, handler, level=PatchLevel.DISPATCH, **options)
+
+    def named(self, target: str, handler: Callable, **options: Any) -> None:
+        """Declare a handler for a custom op by name (``"mylib.op.default"``)."""
+        self.declare(target, handler, level=PatchLevel.NAMED, **options)
+
+    def __iter__(self) -> Iterator[PatchDeclaration]:
+        return iter(self._declarations.values())
+
+    def __len__(self) -> int:
+        return len(self._declarations)

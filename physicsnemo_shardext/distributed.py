@@ -1,0 +1,138 @@
+"""A distributed bootstrap that works with gloo on CPU and NCCL on GPU.
+
+PhysicsNeMo 2.2.x's ``DistributedManager.initialize()`` passes
+``device_id=torch.device("cpu")`` to ``init_process_group`` on machines
+without CUDA, which torch rejects with ``ValueError``. Yet ``scatter_tensor``
+and ``DistributedManager.get_mesh_group`` need an initialized manager.
+
+:func:`initialize` runs PhysicsNeMo's own initializer (environment, SLURM or
+OpenMPI discovery, manager state, its ``atexit`` cleanup) and only drops a
+*CPU* ``device_id`` on its way to torch. Where PhysicsNeMo does not pass one
+(on GPUs, or once it is fixed), nothing is changed at all.
+
+Example (under ``torchrun --nproc-per-node 2 script.py``)::
+
+    from physicsnemo_shardext.distributed import initialize, shutdown
+    manager = initialize()          # gloo on CPU, NCCL on GPU
+    mesh = manager.initialize_mesh((-1,), ("domain",))
+    ...
+    shutdown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from physicsnemo.distributed import DistributedManager
+
+__all__ = ["distributed_session", "initialize", "is_cpu_device_id", "shutdown"]
+
+
+def is_cpu_device_id(device_id: Any) -> bool:
+    """Return whether ``device_id`` names the CPU, which torch's ``init_process_group`` refuses.
+
+    >>> is_cpu_device_id(torch.device("cpu")), is_cpu_device_id(None)
+    (True, False)
+    """
+    if device_id is None or isinstance(device_id, int):
+        return False
+    return torch.device(device_id).type == "cpu"
+
+
+@contextlib.contextmanager
+def _tolerate_cpu_device_id() -> Iterator[None]:
+    """Within the block, ``dist.init_process_group`` ignores a CPU ``device_id``."""
+    original: Callable[..., Any] = dist.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if is_cpu_device_id(kwargs.get("device_id")):
+            kwargs.pop("device_id")
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group = original
+
+
+def _adopt_existing_process_group() -> None:
+    """Fill DistributedManager's state from a process group someone else created."""
+    # DistributedManager.setup() would call init_process_group a second time,
+    # so we record the same attributes it records, without initializing.
+    DistributedManager._shared_state["_is_initialized"] = True
+    manager = DistributedManager()
+    manager._distributed = True
+    manager._rank = dist.get_rank()
+    manager._world_size = dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", manager._rank))
+    manager._local_rank = local_rank
+    manager._device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    manager._initialization_method = "adopted"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(manager._device)
+
+
+def initialize() -> DistributedManager:
+    """Initialize ``torch.distributed`` and PhysicsNeMo's ``DistributedManager``.
+
+    * Already-initialized manager: returned as is.
+    * A process group created elsewhere (e.g. by a test harness): adopted.
+    * Otherwise PhysicsNeMo's ``DistributedManager.initialize()`` runs, with a
+      CPU ``device_id`` dropped; gloo is chosen on CPU, NCCL on GPU.
+
+    Also installs PhysicsNeMo's built-in shard patches, which PhysicsNeMo only
+    does by itself when CUDA is available.
+
+    Returns:
+        The initialized ``DistributedManager`` singleton.
+
+    Example:
+        >>> manager = initialize()  # doctest: +SKIP
+        >>> manager.world_size      # doctest: +SKIP
+        2
+    """
+    from physicsnemo_shardext.builtins import ensure_builtin_patches
+
+    ensure_builtin_patches()
+    if DistributedManager.is_initialized():
+        return DistributedManager()
+    if dist.is_available() and dist.is_initialized():
+        _adopt_existing_process_group()
+        return DistributedManager()
+    # Without LOCAL_RANK PhysicsNeMo computes ``rank % cuda.device_count()``,
+    # a division by zero on CPU: default it to the rank, as torchrun would.
+    if "RANK" in os.environ and "LOCAL_RANK" not in os.environ and not torch.cuda.is_available():
+        os.environ["LOCAL_RANK"] = os.environ["RANK"]
+    with _tolerate_cpu_device_id():
+        DistributedManager.initialize()
+    return DistributedManager()
+
+
+def shutdown() -> None:
+    """Destroy the process groups and reset ``DistributedManager`` (safe to call twice)."""
+    if DistributedManager.is_initialized():
+        DistributedManager.cleanup()
+    elif dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_session() -> Iterator[DistributedManager]:
+    """Context manager: :func:`initialize` on entry, :func:`shutdown` on exit (also on error).
+
+    Example::
+
+        with distributed_session() as manager:
+            print(manager.rank, manager.world_size)
+    """
+    manager = initialize()
+    try:
+        yield manager
+    finally:
+        shutdown()

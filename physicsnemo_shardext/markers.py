@@ -1,0 +1,22 @@
+"""The pluggy markers of the ``physicsnemo_shardext`` project.
+
+Plugin authors decorate their hook functions with :data:`hookimpl`.
+
+Example:
+    >>> from physicsnemo_shardext import hookimpl
+    >>> @hookimpl
+    ... def shardext_declare_patches(patches):
+    ...     pass
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+
+PROJECT_NAME = "physicsnemo_shardext"
+"""pluggy project name, and the entry-point group plugins are published under."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -1,0 +1,316 @@
+"""The framework's registry: installs resolved plugin patches into ShardTensor, with provenance.
+
+:class:`PatchRegistry` holds every loaded plugin's declarations, resolves one
+winner per registry slot (see :mod:`physicsnemo_shardext.resolution`), and
+writes exactly the winning handlers into ShardTensor's registries. Because the
+desired state is recomputed from the full set of claims on every change,
+install order never matters, and removing plugins puts back, slot by slot,
+exactly what ShardTensor held before the framework first touched that slot.
+
+Example:
+    >>> import torch
+    >>> from physicsnemo_shardext.declarations import PatchSet
+    >>> from physicsnemo_shardext.provenance import PluginInfo
+    >>> registry = PatchRegistry()
+    >>> before = shard_registries.snapshot()
+    >>> patches = PatchSet("demo")
+    >>> def roll_handler(func, types, args, kwargs): ...
+    >>> patches.function(torch.roll, roll_handler)
+    >>> registry.add_plugin(PluginInfo("demo"), list(patches))
+    >>> shard_registries.current_handler(PatchLevel.FUNCTION, torch.roll) is roll_handler
+    True
+    >>> registry.remove_all()
+    >>> shard_registries.snapshot() == before
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from physicsnemo_shardext import shard_registries
+from physicsnemo_shardext.builtins import handler_origin
+from physicsnemo_shardext.declarations import PatchDeclaration
+from physicsnemo_shardext.errors import InvalidPatchDeclaration, PatchConflictError, ShardextWarning
+from physicsnemo_shardext.provenance import Conflict, InstalledPatch, PluginInfo, PluginReport
+from physicsnemo_shardext.resolution import Resolution, resolve_claims
+from physicsnemo_shardext.shard_registries import PatchLevel, SlotState
+from physicsnemo_shardext.targets import infer_level, resolve_target
+from physicsnemo_shardext.trace import traced_handler
+
+__all__ = ["PatchRegistry"]
+
+SlotKey = tuple[PatchLevel, Any]
+
+
+@dataclass
+class _RegistryState:
+    """Everything :meth:`PatchRegistry.sandbox` must be able to put back."""
+
+    plugins: dict[str, tuple[PluginInfo, tuple[PatchDeclaration, ...]]] = field(default_factory=dict)
+    prior: dict[SlotKey, SlotState] = field(default_factory=dict)
+    installed: dict[SlotKey, InstalledPatch] = field(default_factory=dict)
+    conflicts: list[Conflict] = field(default_factory=list)
+    disabled_plugins: tuple[str, ...] = ()
+    disabled_targets: frozenset[SlotKey] = frozenset()
+    reports: dict[str, PluginReport] = field(default_factory=dict)
+    warned_overrides: set[SlotKey] = field(default_factory=set)
+    warned_conflicts: set[Conflict] = field(default_factory=set)
+
+
+class PatchRegistry:
+    """Owns the plugin-provided part of ShardTensor's registries.
+
+    Args:
+        prefer: plugin or distribution names, most preferred first, that break
+            equal-priority ties (``SHARDEXT_PREFER``).
+        strict: raise :class:`PatchConflictError` instead of warning on an unresolved tie.
+        trace: wrap installed handlers to log each decision (see :mod:`physicsnemo_shardext.trace`).
+    """
+
+    def __init__(self, *, prefer: Sequence[str] = (), strict: bool = False, trace: bool = False) -> None:
+        self.prefer: tuple[str, ...] = tuple(prefer)
+        self.strict = strict
+        self._trace = trace
+        self._state = _RegistryState()
+
+    # -- queries ---------------------------------------------------------------------------
+    def plugins(self) -> list[PluginInfo]:
+        """Plugins whose declarations are currently held (installed or shadowed)."""
+        return [info for info, _ in self._state.plugins.values()]
+
+    def installed(self) -> list[InstalledPatch]:
+        """Provenance of every handler the framework wrote into ShardTensor."""
+        return sorted(self._state.installed.values(), key=lambda p: (p.declaration.level.value, p.declaration.target_name))
+
+    def provenance(self, target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) -> InstalledPatch | None:
+        """Provenance of the plugin handler installed for ``target``, or ``None``."""
+        level = PatchLevel(level)
+        return self._state.installed.get((level, resolve_target(target, level)))
+
+    def conflicts(self) -> list[Conflict]:
+        """Equal-priority claims found at the last resolution (resolved or not)."""
+        return list(self._state.conflicts)
+
+    def reports(self) -> list[PluginReport]:
+        """Load reports (loaded, failed, blocked, incompatible) in name order."""
+        return sorted(self._state.reports.values(), key=lambda r: r.plugin.name)
+
+    def record_report(self, report: PluginReport) -> None:
+        """Remember what happened when loading a plugin (used by the loader)."""
+        self._state.reports[report.plugin.name] = report
+
+    def prior_handler(self, target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) -> Callable | None:
+        """The handler ShardTensor held for ``target`` before any plugin replaced it."""
+        level = PatchLevel(level)
+        key = (level, resolve_target(target, level))
+        if key in self._state.prior:
+            return self._state.prior[key][0]
+        return shard_registries.current_handler(level, key[1])
+
+    # -- changes ---------------------------------------------------------------------------
+    def add_plugin(self, plugin: PluginInfo, declarations: Iterable[PatchDeclaration]) -> None:
+        """Hold ``plugin``'s declarations and install whatever they win.
+
+        All-or-nothing: on any error (missing ``override``, a strict-mode
+        conflict, a name already taken) neither the registry nor ShardTensor changes.
+        """
+        declarations = tuple(declarations)
+        if plugin.name in self._state.plugins:
+            raise InvalidPatchDeclaration(plugin.name, "<plugin>", "a plugin with this name is already loaded")
+        for declaration in declarations:
+            self._check_override(plugin, declaration)
+        candidate = copy.copy(self._state)
+        candidate.plugins = {**self._state.plugins, plugin.name: (plugin, declarations)}
+        self._commit(candidate)
+        self._warn_overrides(plugin, declarations)
+
+    def remove_plugin(self, name: str) -> None:
+        """Uninstall one plugin; slots it held go to the next claimant or back to their prior handler."""
+        if name not in self._state.plugins:
+            raise KeyError(f"no plugin named {name!r} is loaded")
+        candidate = copy.copy(self._state)
+        candidate.plugins = {k: v for k, v in self._state.plugins.items() if k != name}
+        self._commit(candidate)
+
+    def remove_all(self) -> None:
+        """Uninstall every plugin: ShardTensor's registries return to their state before any plugin."""
+        candidate = copy.copy(self._state)
+        candidate.plugins = {}
+        candidate.disabled_plugins = ()
+        candidate.disabled_targets = frozenset()
+        self._commit(candidate)
+
+    def set_trace(self, enabled: bool) -> None:
+        """Switch trace wrappers on or off for every installed handler."""
+        self._trace = enabled
+        self._commit(copy.copy(self._state))
+
+    @contextlib.contextmanager
+    def disabled(self, plugins: Iterable[str] = (), targets: Iterable[Any] = ()) -> Iterator[None]:
+        """Run a block with some plugins and/or targets switched off; restores on exit, even on error.
+
+        * ``plugins``: plugin or distribution names; their slots go to the next
+          claimant or back to the prior (built-in) handler.
+        * ``targets``: callables, op names or OpOverloads whose handler is removed
+          entirely, built-in included, so ShardTensor takes the DTensor fallback.
+          Give ``(target, level)`` tuples to choose a level other than the inferred one.
+
+        Example::
+
+            with registry.disabled(targets=[torch.nn.functional.gelu]):
+                reference = model(x)      # through the DTensor fallback
+        """
+        saved = (self._state.disabled_plugins, self._state.disabled_targets)
+        candidate = copy.copy(self._state)
+        candidate.disabled_plugins = saved[0] + tuple(plugins)
+        candidate.disabled_targets = saved[1] | frozenset(self._slot_of(t) for t in targets)
+        self._commit(candidate)
+        try:
+            yield
+        finally:
+            restored = copy.copy(self._state)
+            restored.disabled_plugins, restored.disabled_targets = saved
+            self._commit(restored)
+
+    @contextlib.contextmanager
+    def sandbox(self) -> Iterator[PatchRegistry]:
+        """Snapshot ShardTensor's registries and this registry; restore both on exit."""
+        registries = shard_registries.snapshot()
+        state = _copy_state(self._state)
+        trace, prefer, strict = self._trace, self.prefer, self.strict
+        try:
+            yield self
+        finally:
+            shard_registries.restore(registries)
+            self._state = state
+            self._trace, self.prefer, self.strict = trace, prefer, strict
+
+    # -- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _slot_of(target: Any) -> SlotKey:
+        if isinstance(target, tuple):
+            target, level = target
+            level = PatchLevel(level)
+        else:
+            level = infer_level(target)
+        return (level, resolve_target(target, level))
+
+    def _prior_state(self, key: SlotKey) -> SlotState:
+        if key in self._state.prior:
+            return self._state.prior[key]
+        return shard_registries.capture_slot(*key)
+
+    def _check_override(self, plugin: PluginInfo, declaration: PatchDeclaration) -> None:
+        prior = self._prior_state(declaration.key)[0]
+        if prior is not None and not declaration.override:
+            raise InvalidPatchDeclaration(
+                plugin.name,
+                declaration.target_name,
+                f"ShardTensor already has a handler for it ({handler_origin(prior)}: "
+                f"{getattr(prior, '__qualname__', prior)!s}); declare it with override=True to replace it",
+            )
+
+    def _warn_overrides(self, plugin: PluginInfo, declarations: Sequence[PatchDeclaration]) -> None:
+        for declaration in declarations:
+            installed = self._state.installed.get(declaration.key)
+            if (
+                installed is not None
+                and installed.plugin.name == plugin.name
+                and installed.overrides_builtin
+                and declaration.key not in self._state.warned_overrides
+            ):
+                self._state.warned_overrides.add(declaration.key)
+                warnings.warn(
+                    f"plugin {plugin.label} overrides PhysicsNeMo's built-in handler for "
+                    f"{declaration.target_name}; the built-in stays reachable through "
+                    "physicsnemo_shardext.builtin_handler()",
+                    ShardextWarning,
+                    stacklevel=3,
+                )
+
+    def _active_claims(self, state: _RegistryState) -> list[tuple[PluginInfo, PatchDeclaration]]:
+        claims = []
+        for info, declarations in state.plugins.values():
+            if any(info.matches(selector) for selector in state.disabled_plugins):
+                continue
+            claims.extend((info, declaration) for declaration in declarations)
+        return claims
+
+    def _commit(self, candidate: _RegistryState) -> None:
+        """Resolve ``candidate``, check it, then write the difference into ShardTensor."""
+        winners, conflicts = resolve_claims(self._active_claims(candidate), self.prefer)
+        unresolved = [c for c in conflicts if c.winner is None]
+        if unresolved and self.strict:
+            first = unresolved[0]
+            raise PatchConflictError(first.target, first.level, list(first.providers), first.priority)
+        new_keys = set(winners) - set(self._state.prior)
+        prior = dict(self._state.prior)
+        for key in new_keys:
+            prior[key] = shard_registries.capture_slot(*key)
+        installed = {
+            key: self._provenance(resolution, prior[key])
+            for key, resolution in winners.items()
+            if key not in candidate.disabled_targets
+        }
+        candidate = replace(candidate, prior=prior, installed=installed, conflicts=conflicts)
+        # Every slot we have ever touched is rewritten from the new desired state.
+        for key, prior_slot in prior.items():
+            if key in candidate.disabled_targets:
+                shard_registries.remove_handler(*key)
+            elif key in installed:
+                shard_registries.set_handler(key[0], key[1], self._handler_to_install(installed[key]))
+            else:
+                shard_registries.restore_slot(key[0], key[1], prior_slot)
+        for key in candidate.disabled_targets - set(prior):
+            # A disabled slot no plugin ever claimed: remember it so it can be put back.
+            candidate.prior[key] = shard_registries.capture_slot(*key)
+            shard_registries.remove_handler(*key)
+        self._state = candidate
+        for conflict in unresolved:
+            if conflict in candidate.warned_conflicts:
+                continue
+            candidate.warned_conflicts.add(conflict)
+            warnings.warn(
+                f"{PatchConflictError(conflict.target, conflict.level, list(conflict.providers), conflict.priority)}"
+                "; neither handler is installed",
+                ShardextWarning,
+                stacklevel=3,
+            )
+
+    def _provenance(self, resolution: Resolution, prior_slot: SlotState) -> InstalledPatch:
+        prior = prior_slot[0]
+        return InstalledPatch(
+            declaration=resolution.declaration,
+            plugin=resolution.winner,
+            replaced=prior,
+            replaced_provider=handler_origin(prior) if prior is not None else None,
+            shadowed=resolution.shadowed,
+        )
+
+    def _handler_to_install(self, patch: InstalledPatch) -> Callable:
+        if not self._trace:
+            return patch.declaration.handler  # no wrapper on the dispatch hot path
+        return traced_handler(
+            patch.declaration.handler, target=patch.declaration.target_name, plugin=patch.plugin.label
+        )
+
+
+def _copy_state(state: _RegistryState) -> _RegistryState:
+    """Copy the containers of a state (declarations and handlers are shared, immutable)."""
+    return _RegistryState(
+        plugins=dict(state.plugins),
+        prior=dict(state.prior),
+        installed=dict(state.installed),
+        conflicts=list(state.conflicts),
+        disabled_plugins=state.disabled_plugins,
+        disabled_targets=state.disabled_targets,
+        reports=dict(state.reports),
+        warned_overrides=set(state.warned_overrides),
+        warned_conflicts=set(state.warned_conflicts),
+    )

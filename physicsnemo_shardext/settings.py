@@ -1,0 +1,81 @@
+"""User switches read from environment variables.
+
+=====================  =====================================================
+Variable               Meaning
+=====================  =====================================================
+``SHARDEXT_AUTOLOAD``  ``0``/``false``/``no``/``off``: do not load plugins on import
+``SHARDEXT_DISABLE``   comma-separated plugin or distribution names never to load
+``SHARDEXT_ONLY``      comma-separated allow-list: load only these plugins
+``SHARDEXT_STRICT``    ``1``: a failing plugin or unresolved conflict raises
+``SHARDEXT_PREFER``    comma-separated names, most preferred first, breaking equal-priority ties
+``SHARDEXT_TRACE``     ``1``: log every handler decision (``op -> handler -> plugin``)
+=====================  =====================================================
+
+Example:
+    >>> settings = Settings.from_env({"SHARDEXT_DISABLE": "a, b-dist", "SHARDEXT_STRICT": "1"})
+    >>> settings.deny, settings.strict, settings.autoload
+    (('a', 'b-dist'), True, True)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["ENVIRONMENT_VARIABLES", "Settings"]
+
+ENVIRONMENT_VARIABLES: dict[str, str] = {
+    "SHARDEXT_AUTOLOAD": "0/false/no/off: do not discover and install plugins on import",
+    "SHARDEXT_DISABLE": "comma-separated plugin (entry-point) or distribution names never to load",
+    "SHARDEXT_ONLY": "comma-separated allow-list of plugin or distribution names; others are blocked",
+    "SHARDEXT_STRICT": "1: a failing plugin or an unresolved conflict raises instead of warning",
+    "SHARDEXT_PREFER": "comma-separated plugin or distribution names, most preferred first, breaking ties",
+    "SHARDEXT_TRACE": "1: wrap installed handlers and log 'op -> handler -> plugin' decisions",
+}
+
+_FALSE = {"0", "false", "no", "off"}
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _flag(value: str | None, default: bool, name: str) -> bool:
+    if value is None or value.strip() == "":
+        return default
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Parsed switches; see the module docstring for the variables."""
+
+    autoload: bool = True
+    deny: tuple[str, ...] = ()
+    allow: tuple[str, ...] | None = None
+    strict: bool = False
+    prefer: tuple[str, ...] = ()
+    trace: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read the ``SHARDEXT_*`` variables (from ``os.environ`` by default)."""
+        env = os.environ if environ is None else environ
+        allow = _names(env.get("SHARDEXT_ONLY"))
+        return cls(
+            autoload=_flag(env.get("SHARDEXT_AUTOLOAD"), True, "SHARDEXT_AUTOLOAD"),
+            deny=_names(env.get("SHARDEXT_DISABLE")),
+            allow=allow if "SHARDEXT_ONLY" in env else None,
+            strict=_flag(env.get("SHARDEXT_STRICT"), False, "SHARDEXT_STRICT"),
+            prefer=_names(env.get("SHARDEXT_PREFER")),
+            trace=_flag(env.get("SHARDEXT_TRACE"), False, "SHARDEXT_TRACE"),
+        )
