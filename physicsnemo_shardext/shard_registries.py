@@ -66,7 +66,8 @@ class PatchLevel(str, Enum):
     DISPATCH = "dispatch"
 
 
-def _table(level: PatchLevel) -> dict[Any, Callable]:
+def _table(level: PatchLevel | str) -> dict[Any, Callable]:
+    level = PatchLevel(level)
     if level is PatchLevel.FUNCTION:
         return ShardTensor._function_registry
     if level is PatchLevel.NAMED:
@@ -130,14 +131,14 @@ def current_handler(level: PatchLevel, target: Any) -> Callable | None:
 def set_handler(level: PatchLevel, target: Any, handler: Callable) -> None:
     """Install ``handler`` for ``target``; dispatch handlers are also indexed by name."""
     _table(level)[target] = handler
-    if level is PatchLevel.DISPATCH:
+    if PatchLevel(level) is PatchLevel.DISPATCH:
         ShardTensor._dispatch_registry_by_name[str(target)] = handler
 
 
 def remove_handler(level: PatchLevel, target: Any) -> None:
     """Remove any handler for ``target`` so ShardTensor falls back to DTensor."""
     _table(level).pop(target, None)
-    if level is PatchLevel.DISPATCH:
+    if PatchLevel(level) is PatchLevel.DISPATCH:
         ShardTensor._dispatch_registry_by_name.pop(str(target), None)
 
 
@@ -147,7 +148,7 @@ SlotState = tuple[Callable | None, Callable | None]
 
 def capture_slot(level: PatchLevel, target: Any) -> SlotState:
     """Record exactly what the registries hold for ``target`` (both dispatch tables)."""
-    by_name = ShardTensor._dispatch_registry_by_name.get(str(target)) if level is PatchLevel.DISPATCH else None
+    by_name = ShardTensor._dispatch_registry_by_name.get(str(target)) if PatchLevel(level) is PatchLevel.DISPATCH else None
     return (_table(level).get(target), by_name)
 
 
@@ -158,7 +159,7 @@ def restore_slot(level: PatchLevel, target: Any, state: SlotState) -> None:
         _table(level).pop(target, None)
     else:
         _table(level)[target] = main
-    if level is PatchLevel.DISPATCH:
+    if PatchLevel(level) is PatchLevel.DISPATCH:
         if by_name is None:
             ShardTensor._dispatch_registry_by_name.pop(str(target), None)
         else:

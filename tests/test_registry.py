@@ -1,0 +1,179 @@
+"""Tests of physicsnemo_shardext.registry: install, provenance, overrides, conflicts, undo."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from physicsnemo_shardext import (
+    InvalidPatchDeclaration,
+    PatchConflictError,
+    PatchSet,
+    ShardextWarning,
+    builtin_handler,
+    shard_registries,
+)
+from physicsnemo_shardext.provenance import PluginInfo
+from physicsnemo_shardext.registry import PatchRegistry
+from physicsnemo_shardext.shard_registries import PatchLevel
+
+
+def make_handler(tag):
+    def handler(func, types, args, kwargs):
+        return tag
+
+    handler.__qualname__ = f"handler_{tag}"
+    return handler
+
+
+def declare(name, *targets, priority=0, override=False, handler=None):
+    patches = PatchSet(name)
+    for target in targets:
+        patches.function(target, handler or make_handler(name), priority=priority, override=override)
+    return PluginInfo(name, distribution=f"{name}-dist", version="1.0"), list(patches)
+
+
+def current(target, level=PatchLevel.FUNCTION):
+    return shard_registries.current_handler(level, target)
+
+
+def test_install_records_provenance(fresh_registry):
+    info, declarations = declare("alpha", torch.roll, priority=4)
+    fresh_registry.add_plugin(info, declarations)
+    assert current(torch.roll) is declarations[0].handler  # no wrapper on the hot path
+    record = fresh_registry.provenance(torch.roll)
+    assert record.plugin == info and record.declaration.priority == 4
+    assert record.replaced is None and not record.overrides_builtin
+
+
+def test_priority_is_independent_of_install_order(pristine_registries):
+    plugins = [declare("low", torch.roll, priority=1), declare("high", torch.roll, priority=9)]
+    for order in itertools.permutations(plugins):
+        registry = PatchRegistry()
+        for info, declarations in order:
+            registry.add_plugin(info, declarations)
+        assert current(torch.roll)(None, None, None, None) == "high"
+        assert registry.provenance(torch.roll).shadowed == ("low",)
+        registry.remove_all()
+        assert shard_registries.snapshot() == pristine_registries
+
+
+def test_equal_priority_conflict_installs_neither_and_warns(fresh_registry):
+    fresh_registry.add_plugin(*declare("one", torch.roll))
+    with pytest.warns(ShardextWarning, match="'one' and 'two'"):
+        fresh_registry.add_plugin(*declare("two", torch.roll))
+    assert current(torch.roll) is None
+    assert fresh_registry.conflicts()[0].providers == ("one", "two")
+
+
+def test_conflict_is_an_error_in_strict_mode_and_changes_nothing(pristine_registries):
+    registry = PatchRegistry(strict=True)
+    registry.add_plugin(*declare("one", torch.roll, torch.flip))
+    before = shard_registries.snapshot()
+    with pytest.raises(PatchConflictError, match="'one' and 'two'"):
+        registry.add_plugin(*declare("two", torch.roll, torch.cumsum))
+    assert shard_registries.snapshot() == before
+    assert [p.name for p in registry.plugins()] == ["one"]
+
+
+def test_conflict_resolved_by_preference(pristine_registries):
+    registry = PatchRegistry(prefer=("two-dist",))
+    registry.add_plugin(*declare("one", torch.roll))
+    registry.add_plugin(*declare("two", torch.roll))
+    assert current(torch.roll)(None, None, None, None) == "two"
+    assert registry.conflicts()[0].resolved_by == "SHARDEXT_PREFER"
+
+
+def test_replacing_a_builtin_requires_override(fresh_registry, pristine_registries):
+    with pytest.raises(InvalidPatchDeclaration, match="override=True") as error:
+        fresh_registry.add_plugin(*declare("sneaky", torch.roll, F.interpolate))
+    assert "sneaky" in str(error.value) and "interpolate" in str(error.value)
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_override_of_builtin_warns_once_and_can_delegate(fresh_registry, pristine_registries):
+    builtin = builtin_handler(F.interpolate)
+    assert builtin is not None
+
+    def delegating(func, types, args, kwargs):
+        return ("delegated", builtin)
+
+    info, declarations = declare("better-interp", F.interpolate, override=True, handler=delegating)
+    with pytest.warns(ShardextWarning, match="overrides PhysicsNeMo's built-in"):
+        fresh_registry.add_plugin(info, declarations)
+    record = fresh_registry.provenance(F.interpolate)
+    assert record.overrides_builtin and record.replaced is builtin
+    assert current(F.interpolate)(None, None, None, None) == ("delegated", builtin)
+    assert fresh_registry.prior_handler(F.interpolate) is builtin
+    fresh_registry.remove_plugin("better-interp")
+    assert current(F.interpolate) is builtin
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardextWarning)
+        fresh_registry.add_plugin(PluginInfo("quiet"), [])  # no further override warning
+
+
+def test_remove_plugin_falls_back_to_next_claimant(fresh_registry):
+    fresh_registry.add_plugin(*declare("low", torch.roll, priority=1))
+    fresh_registry.add_plugin(*declare("high", torch.roll, priority=2))
+    fresh_registry.remove_plugin("high")
+    assert current(torch.roll)(None, None, None, None) == "low"
+
+
+def test_remove_all_restores_all_four_registries_exactly(fresh_registry, pristine_registries):
+    patches = PatchSet("everything")
+    patches.function(torch.roll, make_handler("f"))
+    patches.function(F.interpolate, make_handler("o"), override=True)
+    patches.dispatch(torch.ops.aten.roll.default, lambda *a, **k: None)
+    patches.dispatch(torch.ops.aten.view.default, lambda *a, **k: None, override=True)
+    patches.named("aten.flip.default", make_handler("n"))
+    with pytest.warns(ShardextWarning):
+        fresh_registry.add_plugin(PluginInfo("everything"), list(patches))
+    assert shard_registries.snapshot() != pristine_registries
+    fresh_registry.remove_all()
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_disabled_context_restores_on_exception(fresh_registry):
+    info, declarations = declare("alpha", torch.roll, torch.flip)
+    fresh_registry.add_plugin(info, declarations)
+    installed = shard_registries.snapshot()
+    with pytest.raises(RuntimeError, match="boom"):
+        with fresh_registry.disabled(plugins=["alpha-dist"]):
+            assert current(torch.roll) is None and current(torch.flip) is None
+            raise RuntimeError("boom")
+    assert shard_registries.snapshot() == installed
+
+
+def test_disabled_target_removes_builtin_for_dtensor_fallback(fresh_registry):
+    builtin = current(F.interpolate)
+    with fresh_registry.disabled(targets=[F.interpolate]):
+        assert current(F.interpolate) is None
+    assert current(F.interpolate) is builtin
+
+
+def test_sandbox_restores_registry_and_shardtensor(fresh_registry, pristine_registries):
+    with fresh_registry.sandbox():
+        fresh_registry.add_plugin(*declare("temp", torch.roll))
+        assert current(torch.roll) is not None
+    assert fresh_registry.plugins() == [] and shard_registries.snapshot() == pristine_registries
+
+
+def test_trace_mode_wraps_and_logs(fresh_registry, caplog):
+    info, declarations = declare("traced", torch.roll)
+    fresh_registry.add_plugin(info, declarations)
+    fresh_registry.set_trace(True)
+    wrapped = current(torch.roll)
+    assert wrapped is not declarations[0].handler and wrapped.__wrapped__ is declarations[0].handler
+    with caplog.at_level("INFO", logger="physicsnemo_shardext.trace"):
+        assert wrapped(None, None, None, None) == "traced"
+    assert "torch.roll -> " in caplog.text and "traced (traced-dist==1.0)" in caplog.text
+    fresh_registry.set_trace(False)
+    assert current(torch.roll) is declarations[0].handler
+
+
+def test_duplicate_plugin_name_is_refused(fresh_registry):
+    fresh_registry.add_plugin(*declare("same", torch.roll))
+    with pytest.raises(InvalidPatchDeclaration, match="already loaded"):
+        fresh_registry.add_plugin(*declare("same", torch.flip))

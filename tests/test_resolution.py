@@ -1,0 +1,44 @@
+"""Tests of physicsnemo_shardext.resolution."""
+
+import itertools
+
+import torch
+
+from physicsnemo_shardext.declarations import PatchDeclaration
+from physicsnemo_shardext.provenance import PluginInfo
+from physicsnemo_shardext.resolution import resolve_claims
+from physicsnemo_shardext.shard_registries import PatchLevel
+
+SLOT = (PatchLevel.FUNCTION, torch.roll)
+
+
+def claim(name, priority, distribution=None):
+    def handler(func, types, args, kwargs):
+        return name
+
+    return (
+        PluginInfo(name, distribution=distribution or f"{name}-dist"),
+        PatchDeclaration(torch.roll, PatchLevel.FUNCTION, handler, priority=priority),
+    )
+
+
+def test_highest_priority_wins_in_every_order():
+    claims = [claim("a", 1), claim("b", 7), claim("c", 3)]
+    for order in itertools.permutations(claims):
+        winners, conflicts = resolve_claims(order, prefer=())
+        assert winners[SLOT].winner.name == "b"
+        assert winners[SLOT].shadowed == ("c", "a")
+        assert conflicts == []
+
+
+def test_equal_priority_is_an_unresolved_conflict_naming_both():
+    winners, conflicts = resolve_claims([claim("b", 2), claim("a", 2)], prefer=())
+    assert SLOT not in winners
+    assert conflicts[0].providers == ("a", "b") and conflicts[0].winner is None
+
+
+def test_preference_resolves_a_tie_in_every_order():
+    for order in itertools.permutations([claim("a", 2), claim("b", 2), claim("c", 1)]):
+        winners, conflicts = resolve_claims(order, prefer=("b-dist",))
+        assert winners[SLOT].winner.name == "b"
+        assert conflicts[0].winner == "b" and conflicts[0].resolved_by == "SHARDEXT_PREFER"
