@@ -89,8 +89,11 @@ class PluginLoader:
         if entry_points is None:
             entry_points = discover_entry_points()
         reports = []
+        already_loaded = {info.name for info in self.registry.plugins()}
         for entry_point in entry_points:
             info = plugin_info_for(entry_point)
+            if info.name in already_loaded:
+                continue  # loading twice (e.g. a second load_plugins() call) is a no-op
             blocked = self._blocked_reason(info)
             if blocked is not None:
                 reports.append(self._report(PluginReport(info, LoadStatus.BLOCKED, blocked)))

@@ -146,6 +146,21 @@ class PatchRegistry:
         candidate.disabled_targets = frozenset()
         self._commit(candidate)
 
+    def set_prefer(self, prefer: Sequence[str]) -> None:
+        """Change the tie-breaking preference (plugin or distribution names) and re-resolve.
+
+        Example::
+
+            physicsnemo_shardext.get_registry().set_prefer(["fast-conv", "other-conv"])
+        """
+        previous = self.prefer
+        self.prefer = tuple(prefer)
+        try:
+            self._commit(copy.copy(self._state))
+        except PatchConflictError:
+            self.prefer = previous
+            raise
+
     def set_trace(self, enabled: bool) -> None:
         """Switch trace wrappers on or off for every installed handler."""
         self._trace = enabled

@@ -53,6 +53,15 @@ def shardext_requirements():
 def shardext_declare_patches(patches):
     patches.function(torch.cumsum, h)
 """,
+    "override": """
+from physicsnemo_shardext import hookimpl
+import torch, torch.nn.functional as F
+def h(func, types, args, kwargs): ...
+@hookimpl
+def shardext_declare_patches(patches):
+    patches.function(torch.cumsum, h)
+    patches.function(F.interpolate, h)  # a PhysicsNeMo built-in, without override=True
+""",
     "badhook": """
 from physicsnemo_shardext import hookimpl
 @hookimpl
@@ -95,6 +104,7 @@ def test_installed_distribution_is_discovered_with_provenance(site, fresh_regist
         ("hook", "shardext_declare_patches"),
         ("invalid", "shardext_declare_patches"),
         ("badhook", "register"),
+        ("override", "install"),
     ],
 )
 def test_failing_plugin_is_isolated(site, fresh_registry, pristine_registries, case, stage):
@@ -165,3 +175,10 @@ def test_priority_independent_of_discovery_order(site, pristine_registries):
         assert shard_registries.current_handler("function", torch.roll)(None, None, None, None) == "high"
         registry.remove_all()
         assert shard_registries.snapshot() == pristine_registries
+
+
+def test_loading_twice_is_a_no_op(site, fresh_registry):
+    install(site, "good-dist", "good", "good_plugin_twice", GOOD.format(tag="t", priority=0))
+    load(site, fresh_registry)
+    assert load(site, fresh_registry) == {}
+    assert [p.name for p in fresh_registry.plugins()] == ["good"]

@@ -86,6 +86,15 @@ def test_conflict_resolved_by_preference(pristine_registries):
     assert registry.conflicts()[0].resolved_by == "SHARDEXT_PREFER"
 
 
+def test_user_resolves_conflict_later_with_set_prefer(fresh_registry):
+    fresh_registry.add_plugin(*declare("one", torch.roll))
+    with pytest.warns(ShardextWarning):
+        fresh_registry.add_plugin(*declare("two", torch.roll))
+    assert current(torch.roll) is None
+    fresh_registry.set_prefer(["one"])
+    assert current(torch.roll)(None, None, None, None) == "one"
+
+
 def test_replacing_a_builtin_requires_override(fresh_registry, pristine_registries):
     with pytest.raises(InvalidPatchDeclaration, match="override=True") as error:
         fresh_registry.add_plugin(*declare("sneaky", torch.roll, F.interpolate))

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["CommCounter", "CommStats", "PhaseCommStats"]
 
 # Ops that are bookkeeping, not communication.
-_IGNORED = {"wait_tensor", "wait", "monitored_barrier_placeholder"}
+_IGNORED = {"wait_tensor", "wait", "_wrap_tensor_autograd"}
 
 # For c10d in-place ops the payload is not always argument 0: ops that take
 # (outputs, inputs, ...) carry this rank's contribution in argument 1.
