@@ -42,3 +42,24 @@ def test_preference_resolves_a_tie_in_every_order():
         winners, conflicts = resolve_claims(order, prefer=("b-dist",))
         assert winners[SLOT].winner.name == "b"
         assert conflicts[0].winner == "b" and conflicts[0].resolved_by == "SHARDEXT_PREFER"
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=6), st.randoms())
+def test_outcome_never_depends_on_claim_order(priorities, random):
+    claims = [claim(f"p{i}", priority) for i, priority in enumerate(priorities)]
+    shuffled = list(claims)
+    random.shuffle(shuffled)
+    first, first_conflicts = resolve_claims(claims, prefer=())
+    second, second_conflicts = resolve_claims(shuffled, prefer=())
+    assert {k: v.winner for k, v in first.items()} == {k: v.winner for k, v in second.items()}
+    assert first_conflicts == second_conflicts
+    top = max(priorities)
+    if priorities.count(top) == 1:
+        assert first[SLOT].winner.name == f"p{priorities.index(top)}"
+    else:
+        assert SLOT not in first and first_conflicts[0].priority == top

@@ -1,1 +1,66 @@
-"""Testing utilities."""
+"""Multi-rank testing for ShardTensor patches: pytest plugin, fixtures, sharding helpers, conformance.
+
+The pytest plugin (``physicsnemo_shardext.testing.pytest_plugin``) is loaded by
+pytest through the ``pytest11`` entry point. The helpers below are imported
+lazily, so loading the plugin does not import torch.
+
+Example::
+
+    import pytest, torch
+    from torch.distributed.tensor import Shard
+    from physicsnemo_shardext.testing import ShardSpec, check_conformance
+
+    @pytest.mark.multirank(2)
+    def test_conv_conforms(domain_mesh):
+        conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        x = torch.randn(1, 3, 17, 8)
+        report = check_conformance(conv, [x], ShardSpec(domain_mesh, [Shard(2)], [10, 7]))
+        print(report.comms)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    # sharding helpers
+    "even_split_sizes": "sharding",
+    "shard_tensor": "sharding",
+    "sharding_shapes_for": "sharding",
+    "SplitSizes": "sharding",
+    # conformance
+    "ShardSpec": "conformance",
+    "check_conformance": "conformance",
+    "measure_comms": "conformance",
+    "ConformanceError": "conformance",
+    "ConformanceReport": "conformance",
+    "Mismatch": "conformance",
+    # communication accounting
+    "CommCounter": "comm_accounting",
+    "CommStats": "comm_accounting",
+    "PhaseCommStats": "comm_accounting",
+    # per-test isolation
+    "rank_test_environment": "isolation",
+    "registry_sandbox_context": "isolation",
+    "deterministic": "isolation",
+    "DEFAULT_SEED": "isolation",
+    # worker pool (for tooling; tests use the marker)
+    "WorkerPool": "worker_pool",
+    "PoolOutcome": "worker_pool",
+    "mesh_for": "placeholders",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

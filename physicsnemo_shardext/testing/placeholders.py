@@ -1,0 +1,84 @@
+"""Fixture values that only exist on a rank: picklable placeholders and their materialization.
+
+In the pytest process a multirank fixture such as ``domain_mesh`` returns a
+:class:`RankValue` placeholder; the worker that runs the test body replaces it
+with the real object (:func:`materialize`). Under ``torchrun`` the fixtures
+call :func:`build` directly.
+
+Example::
+
+    >>> RankValue("world_size")
+    RankValue(kind='world_size')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MESH_LAYOUTS", "RankValue", "build", "materialize", "mesh_for"]
+
+#: Mesh fixtures: name -> (dim names, shape as a function of the world size).
+MESH_LAYOUTS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "domain_mesh": (("domain",), lambda ws: (ws,)),
+    "ddp_domain_mesh": (("ddp", "domain"), lambda ws: (2, ws // 2)),
+    "spatial_mesh": (("h", "w"), lambda ws: (2, ws // 2)),
+}
+
+_mesh_cache: dict[tuple[tuple[int, ...], tuple[str, ...]], Any] = {}
+
+
+@dataclass(frozen=True)
+class RankValue:
+    """Placeholder for a value that the rank creates itself (``kind`` names it)."""
+
+    kind: str
+
+
+def mesh_for(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A CPU/GPU ``DeviceMesh`` of ``shape`` with ``names``, created once per process.
+
+    Creating a mesh is collective, but every rank runs the same tests in the same
+    order, so every rank creates (and caches) the same meshes in the same order.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (tuple(shape), tuple(names))
+    if key not in _mesh_cache:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        _mesh_cache[key] = init_device_mesh(device, key[0], mesh_dim_names=key[1])
+    return _mesh_cache[key]
+
+
+def clear_mesh_cache() -> None:
+    """Forget cached meshes (after the process group was destroyed)."""
+    _mesh_cache.clear()
+
+
+def build(kind: str, registry: Any = None) -> Any:
+    """Create the real value for ``kind`` on this rank (process group already initialized)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    if kind == "rank":
+        return dist.get_rank()
+    if kind == "world_size":
+        return world_size
+    if kind == "registry_sandbox":
+        return registry
+    if kind in MESH_LAYOUTS:
+        names, shape_of = MESH_LAYOUTS[kind]
+        shape = shape_of(world_size)
+        if len(shape) == 2 and (world_size % 2 or world_size < 4):
+            raise ValueError(f"{kind} needs an even world size >= 4, got {world_size}")
+        return mesh_for(shape, names)
+    raise KeyError(f"unknown rank value {kind!r}")
+
+
+def materialize(kwargs: dict[str, Any], registry: Any = None) -> dict[str, Any]:
+    """Replace top-level :class:`RankValue` placeholders in a test's arguments by real objects."""
+    return {
+        name: build(value.kind, registry) if isinstance(value, RankValue) else value
+        for name, value in kwargs.items()
+    }
