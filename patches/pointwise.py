@@ -55,7 +55,7 @@ def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     """
     tensor, *rest = args
     if not isinstance(tensor, ShardTensor):
-        # Another argument is the ShardTensor (unusual for activations): let DTensor decide.
+        # Only reachable when a ShardTensor hides in another argument: refuse loudly.
         raise MissingShardPatch(
             f"{describe_target(func)}: the sharded tensor must be the first argument"
         )

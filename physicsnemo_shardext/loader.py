@@ -16,10 +16,9 @@ next plugin loads as usual.
 
 Example:
     >>> import types
-    >>> from physicsnemo_shardext import hookimpl
     >>> from physicsnemo_shardext.registry import PatchRegistry
     >>> from physicsnemo_shardext.settings import Settings
-    >>> plugin = types.SimpleNamespace()
+    >>> plugin = types.ModuleType("empty_plugin")  # a plugin with no hooks declares nothing
     >>> loader = PluginLoader(PatchRegistry(), Settings())
     >>> loader.load_plugin(plugin, PluginInfo("empty")).status.value
     'loaded'

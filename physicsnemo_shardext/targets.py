@@ -41,12 +41,12 @@ def describe_target(target: Any) -> str:
     """Return a stable, readable name for a target (used in messages, listings, config).
 
     >>> import torch.nn.functional as F
-    >>> describe_target(F.max_pool2d), describe_target("mylib.op.default")
-    ('torch.nn.functional.max_pool2d', 'mylib.op.default')
+    >>> describe_target(F.max_pool2d), describe_target("mylib.op.default"), describe_target(torch.ops.aten.roll)
+    ('torch.nn.functional.max_pool2d', 'mylib.op.default', 'aten.roll')
     """
     if isinstance(target, str):
         return target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(target)
     name = getattr(target, "__name__", None)
     if name:

@@ -32,6 +32,7 @@ def test_declarations_are_collected_with_their_options():
         (lambda p: p.function(torch.roll, "not callable"), "handler must be callable"),
         (lambda p: p.function(torch.roll, lambda x: None), "cannot take those arguments"),
         (lambda p: p.dispatch(torch.roll, handler), "OpOverload"),
+        (lambda p: p.dispatch(torch.ops.aten.roll, handler), "for aten.roll: aten.roll is an overload packet"),
         (lambda p: p.named("nosuch.op.default", handler), "no op named"),
         (lambda p: p.function("torch.no_such_function", handler), "no importable object"),
         (lambda p: p.function(torch.roll, handler, priority="high"), "priority must be an int"),
