@@ -39,12 +39,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.utils._pytree import tree_leaves
 
+from physicsnemo.domain_parallel import ShardTensor
+
 from physicsnemo_shardext.testing.comm_accounting import CommCounter, PhaseCommStats
 from physicsnemo_shardext.testing.sharding import SplitSizes, shard_tensor
 
 __all__ = ["ConformanceError", "ConformanceReport", "Mismatch", "ShardSpec", "check_conformance"]
 
 ParamMode = Literal["distribute", "plain"]
+
+# ShardTensor is not a DTensor subclass; both carry a mesh and placements.
+_DISTRIBUTED = (ShardTensor, DTensor)
 
 
 @dataclass(frozen=True)
@@ -141,13 +146,13 @@ def _cotangent_for(output: torch.Tensor, full_shape: torch.Size, seed: int) -> t
     """A random cotangent (same on every rank) laid out like ``output``."""
     generator = torch.Generator().manual_seed(seed)
     full = torch.randn(full_shape, generator=generator, dtype=output.dtype).to(output.device)
-    if not isinstance(output, DTensor):
+    if not isinstance(output, _DISTRIBUTED):
         return full
     # Partial outputs take Replicate gradients.
     placements = [Replicate() if isinstance(p, Partial) else p for p in output.placements]
     spec = output._spec
     split_sizes: dict[int, list[int]] = {}
-    if hasattr(spec, "sharding_shapes"):
+    if isinstance(output, ShardTensor):
         shapes = spec.sharding_shapes()
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard):
@@ -184,7 +189,7 @@ def _compare(
 
 
 def _gathered(value: torch.Tensor) -> tuple[torch.Tensor, tuple[Placement, ...] | None]:
-    if isinstance(value, DTensor):
+    if isinstance(value, _DISTRIBUTED):
         return value.full_tensor(), tuple(value.placements)
     return value, None
 
@@ -204,7 +209,7 @@ def _expected_placements_for(
 
 def _param_grad(name: str, param: torch.Tensor, params: ParamMode, mismatches: list[Mismatch]) -> torch.Tensor | None:
     grad = param.grad
-    if grad is None or not isinstance(grad, DTensor):
+    if grad is None or not isinstance(grad, _DISTRIBUTED):
         return grad
     if params == "distribute" and not all(isinstance(p, Replicate) for p in grad.placements):
         mismatches.append(
@@ -268,8 +273,10 @@ def check_conformance(
         inputs: full inputs, identical on every rank; non-tensors are passed through.
         shardings: one :class:`ShardSpec` for all tensor inputs, or one per input
             (``None``: pass that input unsharded).
-        rtol, atol: tolerances for outputs; ``grad_rtol``/``grad_atol`` for gradients
-            (default: the same).
+        rtol: relative tolerance for outputs.
+        atol: absolute tolerance for outputs.
+        grad_rtol: relative tolerance for gradients (default: ``rtol``).
+        grad_atol: absolute tolerance for gradients (default: ``atol``).
         expected_placements: ``"input"`` (default: every output keeps the first sharded
             input's placements), a placements sequence for all outputs, a list of them
             (one per output; ``None`` for a plain-tensor output), or ``None`` to skip the check.

@@ -134,6 +134,14 @@ def _format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _is_skip(exc: BaseException) -> bool:
+    try:
+        from _pytest.outcomes import Skipped
+    except ImportError:  # pragma: no cover - pytest is there whenever tests run
+        return False
+    return isinstance(exc, Skipped)
+
+
 def run_task(task: TestTask, rank: int) -> RankResult:
     """Run one test body on this rank and report what happened (never raises)."""
     from physicsnemo_shardext.testing.isolation import rank_test_environment
@@ -149,7 +157,7 @@ def run_task(task: TestTask, rank: int) -> RankResult:
             function(**materialize(kwargs, registry))
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
         elapsed = time.perf_counter() - start
-        if type(exc).__name__ == "Skipped" and type(exc).__module__.startswith("_pytest"):
+        if _is_skip(exc):
             return RankResult(rank, "skipped", str(getattr(exc, "msg", exc)), elapsed)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -25,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,24 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.rstrip().splitlines())
 
 
+@contextlib.contextmanager
+def _inherited_output(log_path: Path) -> Iterator[None]:
+    """Let a child inherit ``log_path`` as stdout/stderr, so import-time chatter goes to its log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(log_path, "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
 @dataclass
 class _Rank:
     process: Any
@@ -154,7 +174,8 @@ class WorkerPool:
             process = context.Process(
                 target=worker_main, args=(config, child_conn), name=f"shardext-rank{rank}", daemon=True
             )
-            process.start()
+            with _inherited_output(log_path):
+                process.start()
             child_conn.close()
             self._ranks.append(_Rank(process, parent_conn, log_path))
         self._await_ready()

@@ -1,0 +1,92 @@
+"""Tests of the first-party pointwise plugin (patches/pointwise.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Partial, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.pointwise import POINTWISE_ACTIVATIONS, local_pointwise
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "mish": F.mish,
+    "elu": lambda x: F.elu(x, alpha=0.7),
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
+    "softplus": lambda x: F.softplus(x, beta=2.0),
+    "hardswish": F.hardswish,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "method_tanh": lambda x: x.tanh(),
+    "method_sigmoid": lambda x: x.sigmoid(),
+}
+
+
+def test_every_activation_is_installed_by_the_plugin():
+    registry = physicsnemo_shardext.get_registry()
+    for activation in POINTWISE_ACTIVATIONS:
+        record = registry.provenance(activation)
+        assert record is not None and record.declaration.handler is local_pointwise
+        assert record.plugin.distribution == "physicsnemo-shardext"
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1]], ids=["uneven", "tiny-shard"])
+def test_activation_matches_single_process(domain_mesh, name, split):
+    x = torch.randn(2, 3, 17, 5)
+    report = check_conformance(ACTIVATIONS[name], [x], ShardSpec(domain_mesh, [Shard(2)], split))
+    assert report.comms.forward.total_calls == 0  # purely local, as promised
+    assert report.comms.backward.total_calls == 0
+
+
+@pytest.mark.multirank(2)
+def test_module_with_activations_conforms_with_parameters(domain_mesh):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.GELU(), torch.nn.Conv2d(4, 2, 1), torch.nn.SiLU())
+    x = torch.randn(1, 3, 13, 6)
+    check_conformance(model, [x], ShardSpec(domain_mesh, [Shard(2)], [9, 4]))
+
+
+@pytest.mark.multirank(4)
+def test_activation_on_2d_spatial_mesh(spatial_mesh):
+    x = torch.randn(1, 2, 9, 7)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 3], 1: [2, 5]})
+    report = check_conformance(F.silu, [x], spec)
+    assert report.comms.forward.total_calls == 0
+
+
+@pytest.mark.multirank(2)
+def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
+    x = torch.randn(1, 4, 17, 8)
+    spec = ShardSpec(domain_mesh, [Shard(2)], [10, 7])
+    patched = measure_comms(F.gelu, [x], spec)
+    with physicsnemo_shardext.disabled(targets=[F.gelu]):
+        fallback = measure_comms(F.gelu, [x], spec)
+    assert patched.forward.total_bytes == 0
+    assert fallback.forward.total_bytes >= patched.forward.total_bytes
+
+
+@pytest.mark.multirank(2)
+def test_inplace_is_refused(domain_mesh):
+    from physicsnemo_shardext.testing import shard_tensor
+
+    xs = shard_tensor(torch.randn(1, 2, 5, 3), domain_mesh, [Shard(2)], [3, 2])
+    with pytest.raises(MissingShardPatch, match="inplace=True"):
+        F.silu(xs, inplace=True)
+    with pytest.raises(MissingShardPatch, match="inplace=True"):
+        F.elu(xs, 1.0, True)
+
+
+@pytest.mark.multirank(2)
+def test_partial_input_is_refused(domain_mesh, rank):
+    local = torch.full((2, 3), float(rank + 1))
+    partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        F.gelu(partial)
