@@ -27,7 +27,8 @@ Example::
         assert xs.full_tensor().equal(full)
 
 Timeout precedence: marker ``timeout=`` > ``SHARDEXT_TEST_TIMEOUT`` env var >
-ini option ``shardext_timeout`` > 120 s.
+ini option ``shardext_timeout`` > 120 s. Under torchrun a rank that outlives it
+prints its stacks and exits (see :mod:`physicsnemo_shardext.testing.watchdog`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     controller = _controller(pyfuncitem.config)
     seed = int(marker.kwargs.get("seed", DEFAULT_SEED))
     if controller.torchrun:
-        with rank_test_environment(seed):
+        from physicsnemo_shardext.testing.watchdog import rank_watchdog
+
+        rank = int(os.environ.get("RANK", "0"))
+        capture = pyfuncitem.config.pluginmanager.getplugin("capturemanager")
+        release_output = (lambda: capture.suspend_global_capture(in_=False)) if capture is not None else None
+        watchdog = rank_watchdog(controller.timeout_for(marker), pyfuncitem.nodeid, rank, release_output)
+        with watchdog, rank_test_environment(seed):
             pyfuncitem.obj(**_test_kwargs(pyfuncitem))
         return True
     _run_on_pool(pyfuncitem, controller, marker, seed)

@@ -1,0 +1,66 @@
+"""A per-rank deadline for multirank tests run inline under ``torchrun``.
+
+Under plain ``pytest`` the worker pool enforces timeouts from outside. Under
+``torchrun`` every rank *is* a pytest process, and a rank stuck in a collective
+would hang the job forever. :func:`rank_watchdog` gives each test body a
+deadline: when it passes, the rank prints which test timed out and the Python
+stacks of all its threads, then exits, so torchrun tears the job down and the
+log holds one report per rank.
+
+Example::
+
+    with rank_watchdog(60.0, "tests/test_x.py::test_y", rank=1):
+        run_test_body()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+__all__ = ["TIMEOUT_EXIT_CODE", "rank_watchdog"]
+
+TIMEOUT_EXIT_CODE = 124
+"""Exit status of a rank whose test outlived its timeout (as coreutils' ``timeout``)."""
+
+# If a C call never releases the GIL the Python timer cannot run; faulthandler's
+# own C-level watchdog then dumps the stacks and exits this much later.
+_BACKSTOP_S = 30.0
+
+
+@contextlib.contextmanager
+def rank_watchdog(
+    timeout_s: float, label: str, rank: int, before_report: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """Exit this process with a stack report if the block runs longer than ``timeout_s``.
+
+    ``before_report`` runs first when the deadline passes; pytest's plugin uses it
+    to suspend output capturing, so the report reaches the real stderr.
+    """
+
+    def expire() -> None:
+        if before_report is not None:
+            with contextlib.suppress(Exception):
+                before_report()
+        sys.stderr.write(
+            f"\n[shardext] rank {rank}: {label} exceeded its {timeout_s:g} s timeout; "
+            f"Python stacks of rank {rank} follow, then exit {TIMEOUT_EXIT_CODE}\n"
+        )
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(TIMEOUT_EXIT_CODE)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(timeout_s + _BACKSTOP_S, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
