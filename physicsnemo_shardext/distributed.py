@@ -72,9 +72,11 @@ def _adopt_existing_process_group() -> None:
     manager._world_size = dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", manager._rank))
     manager._local_rank = local_rank
-    manager._device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    # Follow the group's backend: a gloo group on a GPU machine computes on CPU.
+    on_gpu = dist.get_backend() == "nccl"
+    manager._device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
     manager._initialization_method = "adopted"
-    if torch.cuda.is_available():
+    if on_gpu:
         torch.cuda.set_device(manager._device)
 
 

@@ -130,6 +130,18 @@ def _sharded_inputs(inputs: Sequence[Any], specs: Sequence[ShardSpec | None]) ->
     return result
 
 
+def _to_mesh_device(fn: Callable[..., Any], inputs: Sequence[Any], mesh: DeviceMesh) -> tuple[Callable[..., Any], list[Any]]:
+    """Move a module copy and the full inputs to the mesh's device (tests build them on CPU)."""
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(mesh.device_type)
+    moved = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+    if isinstance(fn, torch.nn.Module):
+        fn = copy.deepcopy(fn).to(device)
+    return fn, moved
+
+
 def _prepare_callable(fn: Callable[..., Any], mesh: DeviceMesh, params: ParamMode) -> Callable[..., Any]:
     if not isinstance(fn, torch.nn.Module):
         return fn
@@ -302,6 +314,7 @@ def check_conformance(
         raise ValueError("no input is sharded")
     mesh = sharded_specs[0].mesh
     default_placements = tuple(sharded_specs[0].placements)
+    fn, inputs = _to_mesh_device(fn, inputs, mesh)
     _assert_same_on_all_ranks(fn, inputs)
 
     report = ConformanceReport()
@@ -386,6 +399,7 @@ def measure_comms(
     kwargs = kwargs or {}
     specs = _specs_for(inputs, shardings)
     mesh = next(s for s in specs if s is not None).mesh
+    fn, inputs = _to_mesh_device(fn, inputs, mesh)
     sharded = _prepare_callable(fn, mesh, params)
     sh_inputs = _sharded_inputs(inputs, specs)
     stats = PhaseCommStats()

@@ -41,12 +41,12 @@ def mesh_for(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     Creating a mesh is collective, but every rank runs the same tests in the same
     order, so every rank creates (and caches) the same meshes in the same order.
     """
-    import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     key = (tuple(shape), tuple(names))
     if key not in _mesh_cache:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         _mesh_cache[key] = init_device_mesh(device, key[0], mesh_dim_names=key[1])
     return _mesh_cache[key]
 

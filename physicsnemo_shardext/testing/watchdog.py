@@ -20,6 +20,7 @@ import faulthandler
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 
 __all__ = ["TIMEOUT_EXIT_CODE", "rank_watchdog"]
@@ -30,6 +31,17 @@ TIMEOUT_EXIT_CODE = 124
 # If a C call never releases the GIL the Python timer cannot run; faulthandler's
 # own C-level watchdog then dumps the stacks and exits this much later.
 _BACKSTOP_S = 30.0
+
+
+def _all_stacks() -> str:
+    """The Python stacks of every thread of this process, innermost call last."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # the watchdog's own thread
+        parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
 
 
 @contextlib.contextmanager
@@ -46,13 +58,15 @@ def rank_watchdog(
         if before_report is not None:
             with contextlib.suppress(Exception):
                 before_report()
-        sys.stderr.write(
+        report = (
             f"\n[shardext] rank {rank}: {label} exceeded its {timeout_s:g} s timeout; "
-            f"Python stacks of rank {rank} follow, then exit {TIMEOUT_EXIT_CODE}\n"
+            f"Python stacks of rank {rank} follow, then exit {TIMEOUT_EXIT_CODE}\n{_all_stacks()}"
         )
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
+        # One write: torchrun may kill this rank as soon as a peer exits, so the
+        # report must not be spread over many small writes.
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), report.encode(errors="replace"))
         os._exit(TIMEOUT_EXIT_CODE)
 
     timer = threading.Timer(timeout_s, expire)

@@ -187,7 +187,8 @@ def _init_process_group(config: WorkerConfig) -> None:
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL needs one GPU per rank; with fewer GPUs than ranks the ranks run on CPU (gloo).
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= config.world_size else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
     store = dist.FileStore(config.store_path, config.world_size)

@@ -45,5 +45,6 @@ def test_hang_under_torchrun_ends_with_a_report_from_every_rank(tmp_path):
     assert "exceeded its 6 s timeout" in output
     reporting = {r for r in (0, 1) if f"rank {r}: test_inner_hang.py::test_rank_one_hangs exceeded" in output}
     assert reporting, output[-3000:]
-    assert 'test_inner_hang.py", line' in output  # the stacks show where each rank was stuck
+    assert 'test_inner_hang.py", line' in output  # the stacks show where the rank was stuck
+    assert "in test_rank_one_hangs" in output
     assert f"exitcode  : {TIMEOUT_EXIT_CODE}" in output  # torchrun's summary of the ended ranks
