@@ -45,6 +45,7 @@ def handler_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
                 "priority": patch.declaration.priority,
                 "overrides_builtin": patch.overrides_builtin,
                 "shadowed": list(patch.shadowed),
+                "replaced": describe_handler(patch.replaced) if patch.replaced is not None else None,
                 "description": patch.declaration.description,
                 "handler": describe_handler(patch.declaration.handler),
             }
@@ -56,6 +57,7 @@ def handler_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
                 "priority": None,
                 "overrides_builtin": False,
                 "shadowed": [],
+                "replaced": None,
                 "description": "",
                 "handler": describe_handler(handler),
             }

@@ -24,7 +24,7 @@ def test_list_json_has_provenance_of_every_handler():
     assert gelu["provider"] == "pointwise"
     assert gelu["distribution"].startswith("physicsnemo-shardext==")
     assert gelu["handler"] == "physicsnemo_shardext.patches.pointwise.local_pointwise"
-    assert gelu["priority"] == 0 and gelu["overrides_builtin"] is False
+    assert gelu["priority"] == 0 and gelu["overrides_builtin"] is False and gelu["replaced"] is None
     conv = rows[("torch.nn.functional.conv2d", "function")]
     assert conv["provider"] == "physicsnemo" and conv["distribution"].startswith("nvidia-physicsnemo==2.2")
     assert rows[("aten.view.default", "dispatch")]["provider"] == "physicsnemo"
@@ -70,3 +70,30 @@ def shardext_declare_patches(patches):
     assert doctor.returncode == 0, doctor.stderr
     assert "torch.cumsum (priority 3): left, right -> resolved: right wins by SHARDEXT_PREFER" in doctor.stdout
     assert "oops (oops-dist==0.2)" in doctor.stdout
+
+
+def test_override_shows_what_it_replaced(pristine_registries):
+    import torch.nn.functional as F
+
+    import physicsnemo_shardext
+    from physicsnemo_shardext import PatchSet, ShardextWarning
+    from physicsnemo_shardext.provenance import PluginInfo
+
+    def better_interpolate(func, types, args, kwargs):
+        return physicsnemo_shardext.builtin_handler(F.interpolate)(func, types, args, kwargs)
+
+    patches = PatchSet("interp-override")
+    patches.function(F.interpolate, better_interpolate, override=True, priority=2)
+    registry = physicsnemo_shardext.get_registry()
+    with registry.sandbox():
+        import pytest
+
+        with pytest.warns(ShardextWarning):
+            registry.add_plugin(PluginInfo("interp-override", "interp-dist", "0.3"), list(patches))
+        rows = {r["target"]: r for r in json.loads(run_cli("list", "--json"))["handlers"]}
+        row = rows["torch.nn.functional.interpolate"]
+        assert row["provider"] == "interp-override" and row["distribution"] == "interp-dist==0.3"
+        assert row["overrides_builtin"] is True and row["priority"] == 2
+        assert row["replaced"].endswith("unpooling_patches.generic_interpolate_wrapper")
+        assert "yes" in run_cli("list", "--plugin", "interp-override")
+    assert physicsnemo_shardext.get_registry().provenance(F.interpolate) is None

@@ -90,3 +90,15 @@ def test_partial_input_is_refused(domain_mesh, rank):
     partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
     with pytest.raises(MissingShardPatch, match="Partial"):
         F.gelu(partial)
+
+
+@pytest.mark.multirank(4)
+def test_activations_on_ddp_domain_mesh(ddp_domain_mesh):
+    # Batch replicated over "ddp", height sharded unevenly over "domain". Parameter-free on
+    # purpose: PhysicsNeMo 2.2.2's conv patch raises IndexError on this mesh and its linear
+    # patch leaves weight gradients Partial over "domain" (caught by check_conformance).
+    chain = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.GELU(), torch.nn.Tanh())
+    x = torch.randn(2, 2, 11, 6)
+    spec = ShardSpec(ddp_domain_mesh, [torch.distributed.tensor.Replicate(), Shard(2)], {1: [8, 3]})
+    report = check_conformance(chain, [x], spec)
+    assert report.comms.forward.total_calls == 0
