@@ -1,0 +1,24 @@
+"""The torchrun example scripts run on CPU ranks and report a match with the single-process run."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize(("ranks", "height", "expected_heights"), [(2, 33, "[17, 16]"), (3, 37, "[13, 13, 11]")])
+def test_domain_parallel_example_matches_single_process(ranks, height, expected_heights):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(EXAMPLES / "domain_parallel_cpu.py"), "--height", str(height), "--steps", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert f"ranks {ranks} (cpu), shard heights {expected_heights}" in result.stdout
+    assert "pointwise (physicsnemo-shardext)" in result.stdout  # plugins were loaded
+    worst = float(re.search(r"worst difference (\S+) -> MATCH", result.stdout).group(1))
+    assert worst < 1e-5
