@@ -22,3 +22,14 @@ def test_domain_parallel_example_matches_single_process(ranks, height, expected_
     assert "pointwise (physicsnemo-shardext)" in result.stdout  # plugins were loaded
     worst = float(re.search(r"worst difference (\S+) -> MATCH", result.stdout).group(1))
     assert worst < 1e-5
+
+
+def test_minimal_example_from_getting_started():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / "minimal_shardtensor.py")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "rank 0: local rows (5, 16), matches single-process" in result.stdout
+    assert "rank 1: local rows (5, 16), matches single-process" in result.stdout
