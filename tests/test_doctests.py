@@ -22,7 +22,9 @@ MODULES = [
     "physicsnemo_shardext.shard_registries",
     "physicsnemo_shardext.targets",
     "physicsnemo_shardext.trace",
+    "physicsnemo_shardext.testing.placeholders",
     "physicsnemo_shardext.testing.plugin_packages",
+    "physicsnemo_shardext.testing.sharding",
 ]
 
 
