@@ -179,7 +179,7 @@ def validate_handler(handler: Any, level: PatchLevel, target: Any) -> None:
         if level is PatchLevel.DISPATCH:
             expected = f"handler(*args, **kwargs) with the arguments of {target._schema}"
         else:
-            expected = f"handler(func, types, args, kwargs)"
+            expected = "handler(func, types, args, kwargs)"
         raise ValueError(
             f"{level.value}-level handlers are called as {expected}; "
             f"this one cannot take those arguments: {error}"
