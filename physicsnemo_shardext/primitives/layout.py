@@ -1,0 +1,228 @@
+"""Where a ShardTensor's rows live: per-dimension layouts of (possibly uneven) shards.
+
+A patch that works along one sharded tensor dimension needs to know, for that
+dimension, how many rows every rank along the mesh dimension holds, where its
+own rows start in the global tensor, and which process group connects those
+ranks. :class:`DimLayout` gathers exactly that from a ShardTensor's spec, without
+communication: the spec already carries every shard's shape.
+
+Example (2 ranks, height 17 split 10/7, on rank 1)::
+
+    layout = dim_layout(x, 2)
+    layout.sizes, layout.coord, layout.start, layout.stop   # (10, 7), 1, 10, 17
+    y_local = some_local_op(x.to_local())                   # changes dim 1 only
+    y = from_local_like(y_local, x)                         # same row split as x
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
+
+from physicsnemo_shardext.errors import MissingShardPatch
+
+__all__ = ["DimLayout", "build_shard_tensor", "dim_layout", "from_local_like", "sharded_dims"]
+
+
+@dataclass(frozen=True)
+class DimLayout:
+    """How one tensor dimension is split over one mesh dimension.
+
+    Attributes:
+        tensor_dim: the (non-negative) tensor dimension.
+        mesh_dim: the mesh dimension that shards it.
+        sizes: rows held by each coordinate along ``mesh_dim``, in coordinate order.
+        coord: this rank's coordinate along ``mesh_dim``.
+        mesh: the device mesh.
+
+    >>> layout = DimLayout(tensor_dim=2, mesh_dim=0, sizes=(10, 7), coord=1, mesh=None)
+    >>> layout.offsets, layout.start, layout.stop, layout.total, layout.local_size
+    ((0, 10), 10, 17, 17, 7)
+    >>> layout.owner_of(12), layout.owner_of(3)
+    (1, 0)
+    """
+
+    tensor_dim: int
+    mesh_dim: int
+    sizes: tuple[int, ...]
+    coord: int
+    mesh: DeviceMesh | None
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Global index of the first row of each coordinate."""
+        starts, running = [], 0
+        for size in self.sizes:
+            starts.append(running)
+            running += size
+        return tuple(starts)
+
+    @property
+    def start(self) -> int:
+        """Global index of this rank's first row."""
+        return self.offsets[self.coord]
+
+    @property
+    def stop(self) -> int:
+        """One past the global index of this rank's last row."""
+        return self.start + self.sizes[self.coord]
+
+    @property
+    def total(self) -> int:
+        """Global length of the dimension."""
+        return sum(self.sizes)
+
+    @property
+    def local_size(self) -> int:
+        """Rows this rank holds."""
+        return self.sizes[self.coord]
+
+    @property
+    def parts(self) -> int:
+        """Number of coordinates along the mesh dimension."""
+        return len(self.sizes)
+
+    def owner_of(self, index: int) -> int:
+        """Coordinate holding global row ``index`` (0 <= index < total); empty shards own nothing."""
+        if not 0 <= index < self.total:
+            raise IndexError(f"row {index} outside a dimension of length {self.total}")
+        for coord in range(self.parts - 1, -1, -1):
+            if self.sizes[coord] and self.offsets[coord] <= index:
+                return coord
+        raise AssertionError("unreachable: a non-empty dimension has an owner for every row")
+
+    def with_sizes(self, sizes: Sequence[int]) -> DimLayout:
+        """The same dimension and mesh with other row counts (e.g. an op's output)."""
+        if len(sizes) != self.parts:
+            raise ValueError(f"{len(sizes)} sizes for {self.parts} coordinates")
+        return DimLayout(self.tensor_dim, self.mesh_dim, tuple(int(s) for s in sizes), self.coord, self.mesh)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """Process group of the ranks along ``mesh_dim`` (this rank included)."""
+        assert self.mesh is not None, "a layout without a mesh has no process group"
+        return self.mesh.get_group(self.mesh_dim)
+
+    @cached_property
+    def group_ranks(self) -> tuple[int, ...]:
+        """Group rank of each coordinate (the group's rank order need not be the mesh order)."""
+        assert self.mesh is not None, "a layout without a mesh has no process group"
+        group = self.group
+        coords = list(self.mesh.get_coordinate() or [])
+        globals_along_dim = []
+        for c in range(self.parts):
+            coords[self.mesh_dim] = c
+            globals_along_dim.append(int(self.mesh.mesh[tuple(coords)].item()))
+        return tuple(dist.get_group_rank(group, g) for g in globals_along_dim)
+
+
+def _shard_mesh_dims(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:
+    """tensor dim -> mesh dims that shard it."""
+    by_dim: dict[int, list[int]] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            by_dim.setdefault(placement.dim % ndim, []).append(mesh_dim)
+    return by_dim
+
+
+def sharded_dims(x: ShardTensor) -> dict[int, DimLayout]:
+    """Layouts of every sharded tensor dimension of ``x``, keyed by tensor dimension.
+
+    Raises ``MissingShardPatch`` if a tensor dimension is sharded over more than
+    one mesh dimension (nested sharding), which no layout here describes.
+
+    Example::
+
+        {d: l.sizes for d, l in sharded_dims(x).items()}   # {2: (10, 7)}
+    """
+    spec = x._spec
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    shapes = spec.sharding_shapes()
+    layouts: dict[int, DimLayout] = {}
+    for tensor_dim, mesh_dims in _shard_mesh_dims(spec.placements, x.ndim).items():
+        if len(mesh_dims) > 1:
+            raise MissingShardPatch(
+                f"tensor dim {tensor_dim} is sharded over mesh dims {mesh_dims} at once "
+                f"(placements {tuple(spec.placements)}); nested sharding of one dim is not supported"
+            )
+        (mesh_dim,) = mesh_dims
+        sizes = tuple(int(shape[tensor_dim]) for shape in shapes[mesh_dim])
+        layouts[tensor_dim] = DimLayout(tensor_dim, mesh_dim, sizes, coordinate[mesh_dim], mesh)
+    return layouts
+
+
+def dim_layout(x: ShardTensor, tensor_dim: int) -> DimLayout | None:
+    """Layout of ``tensor_dim`` of ``x``, or ``None`` if that dimension is not sharded.
+
+    Example::
+
+        layout = dim_layout(x, -2)   # negative dims are normalized
+    """
+    return sharded_dims(x).get(tensor_dim % x.ndim)
+
+
+def build_shard_tensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    dim_sizes: Mapping[int, Sequence[int]],
+) -> ShardTensor:
+    """Wrap ``local`` as a ShardTensor whose sharded dims have the given per-coordinate row counts.
+
+    ``dim_sizes`` maps each sharded tensor dim to its row count per coordinate; the
+    other dimensions of every shard in a group equal ``local``'s (ranks along one
+    mesh dim share their coordinates on the others). No communication.
+
+    Example::
+
+        build_shard_tensor(local, mesh, [Shard(2)], {2: [10, 7]})
+    """
+    local_shape = tuple(local.shape)
+    sharding_shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for tensor_dim, mesh_dims in _shard_mesh_dims(placements, local.ndim).items():
+        if len(mesh_dims) > 1:
+            raise MissingShardPatch(f"nested sharding of tensor dim {tensor_dim} over mesh dims {mesh_dims}")
+        sizes = [int(s) for s in dim_sizes[tensor_dim]]
+        (mesh_dim,) = mesh_dims
+        if len(sizes) != mesh.size(mesh_dim):
+            raise ValueError(f"dim {tensor_dim}: {len(sizes)} sizes for a mesh dim of size {mesh.size(mesh_dim)}")
+        coord = mesh.get_coordinate()[mesh_dim]
+        if sizes[coord] != local_shape[tensor_dim]:
+            raise ValueError(
+                f"dim {tensor_dim}: this rank (coordinate {coord}) holds {local_shape[tensor_dim]} rows, "
+                f"sizes say {sizes[coord]}"
+            )
+        sharding_shapes[mesh_dim] = tuple(
+            local_shape[:tensor_dim] + (size,) + local_shape[tensor_dim + 1 :] for size in sizes
+        )
+    return ShardTensor.from_local(local, mesh, tuple(placements), sharding_shapes=sharding_shapes)
+
+
+def from_local_like(
+    local: torch.Tensor,
+    like: ShardTensor,
+    sizes: Mapping[int, Sequence[int]] | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> ShardTensor:
+    """Wrap ``local`` with ``like``'s mesh and placements; row counts from ``like`` unless overridden.
+
+    Use it when an op keeps the sharded dims (possibly changing their lengths,
+    given in ``sizes``) and changes only local dims (channels, batch...).
+
+    Example::
+
+        y = from_local_like(torch.relu(x.to_local()), x)
+        z = from_local_like(z_local, x, sizes={2: [5, 4]})   # output rows per coordinate
+    """
+    placements = tuple(like._spec.placements if placements is None else placements)
+    dim_sizes = {d: layout.sizes for d, layout in sharded_dims(like).items()}
+    dim_sizes.update({d % local.ndim: tuple(s) for d, s in (sizes or {}).items()})
+    return build_shard_tensor(local, like._spec.mesh, placements, dim_sizes)
