@@ -37,9 +37,10 @@ from physicsnemo_shardext.markers import hookimpl
 from physicsnemo_shardext.provenance import InstalledPatch, PluginInfo, PluginReport
 from physicsnemo_shardext.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
-from physicsnemo_shardext.shard_registries import PatchLevel
+from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
 
 __all__ = [
+    "AttributeTarget",
     "InstalledPatch",
     "InvalidPatchDeclaration",
     "MissingShardPatch",

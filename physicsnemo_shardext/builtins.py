@@ -60,6 +60,9 @@ def builtin_handler(target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) 
         'generic_interpolate_wrapper'
     """
     level = PatchLevel(level)
+    if level is PatchLevel.ATTRIBUTE:
+        # The value the owner held before any plugin replaced it (a staticmethod stays one).
+        return shard_registries.original_attribute(target)
     tables = baseline().as_dicts()
     name = {
         PatchLevel.FUNCTION: "_function_registry",

@@ -76,6 +76,8 @@ def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
     for detail in report["plugin_details"]:
         if detail["status"] != "loaded":
             out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {detail['reason']}\n")
+        for skipped in detail["not_applicable"]:
+            out.write(f"    {detail['plugin']}: not needed here, not installed: {skipped}\n")
     out.write("Conflicts\n")
     if not report["conflicts"]:
         out.write("  none\n")

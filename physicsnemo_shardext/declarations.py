@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from physicsnemo_shardext.errors import InvalidPatchDeclaration
-from physicsnemo_shardext.shard_registries import PatchLevel
+from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
 from physicsnemo_shardext.targets import describe_target, infer_level, resolve_target, validate_handler
 
 __all__ = ["PatchDeclaration", "PatchSet"]
@@ -69,13 +69,19 @@ class PatchSet:
     """The registry object handed to a plugin's ``shardext_declare_patches`` hook.
 
     Use :meth:`function`, :meth:`dispatch` or :meth:`named` (or :meth:`declare`,
-    which infers the level from the target's type). Declaring the same target
+    which infers the level from the target's type), and :meth:`replace_attribute`
+    to correct an attribute of a PhysicsNeMo class. Declaring the same target
     twice in one plugin is an error.
+
+    Attributes:
+        not_applicable: ``(target name, reason)`` of attribute replacements whose
+            ``applies`` check said this environment does not need them.
     """
 
     def __init__(self, plugin: str) -> None:
         self.plugin = plugin
         self._declarations: dict[tuple[PatchLevel, Any], PatchDeclaration] = {}
+        self.not_applicable: list[tuple[str, str]] = []
 
     def declare(
         self,
@@ -120,6 +126,54 @@ class PatchSet:
     def named(self, target: str, handler: Callable, **options: Any) -> None:
         """Declare a handler for a custom op by name (``"mylib.op.default"``)."""
         self.declare(target, handler, level=PatchLevel.NAMED, **options)
+
+    def replace_attribute(
+        self,
+        owner: Any,
+        name: str,
+        replacement: Any,
+        *,
+        reason: str,
+        applies: Callable[[], bool] | None = None,
+        priority: int = 0,
+    ) -> bool:
+        """Declare that ``owner.name`` (a class or module attribute) is replaced by ``replacement``.
+
+        Meant for corrections of PhysicsNeMo internals that no handler table can
+        reach (e.g. an autograd Function's ``backward``). The replacement is
+        installed, recorded, listed, resolved against other claims and undone
+        exactly like a handler. ``reason`` (required) says why, for ``shardext
+        list``. ``applies`` is called once, now: if it returns False the
+        replacement is not declared (recorded in :attr:`not_applicable`), so a fix
+        is active only where the defect exists. Returns whether it was declared.
+
+        Example:
+            >>> class Owner:
+            ...     @staticmethod
+            ...     def backward(ctx, grad):
+            ...         return grad
+            >>> patches = PatchSet("demo")
+            >>> patches.replace_attribute(Owner, "backward", staticmethod(lambda ctx, g: 2 * g),
+            ...                           reason="doubles the gradient", applies=lambda: True)
+            True
+            >>> [(d.level.value, d.target_name.split(".")[-2:]) for d in patches]
+            [('attribute', ['Owner', 'backward'])]
+        """
+        target = AttributeTarget(owner, name)
+        if not isinstance(reason, str) or not reason.strip():
+            raise InvalidPatchDeclaration(self.plugin, str(target), "replace_attribute needs a non-empty reason")
+        if applies is not None:
+            try:
+                needed = bool(applies())
+            except Exception as error:  # a probe that cannot decide must not install blindly
+                raise InvalidPatchDeclaration(
+                    self.plugin, str(target), f"its applies() check raised {type(error).__name__}: {error}"
+                ) from error
+            if not needed:
+                self.not_applicable.append((str(target), reason))
+                return False
+        self.declare(target, replacement, level=PatchLevel.ATTRIBUTE, priority=priority, description=reason)
+        return True
 
     def __iter__(self) -> Iterator[PatchDeclaration]:
         return iter(self._declarations.values())

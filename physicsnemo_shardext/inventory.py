@@ -77,6 +77,8 @@ def plugin_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
             "patches": report.patches,
             "stage": report.stage,
             "reason": report.reason,
+            # Attribute replacements whose applies() check found nothing to fix here.
+            "not_applicable": [f"{target}: {why}" for target, why in report.extra.get("not_applicable", [])],
         }
         for report in registry.reports()
     ]

@@ -133,7 +133,8 @@ class PluginLoader:
         except Exception as error:
             self.plugin_manager.unregister(plugin)
             return self._fail(info, stage, error)
-        return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches)))
+        extra = {"not_applicable": list(patches.not_applicable)} if patches.not_applicable else {}
+        return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches), extra=extra))
 
     # -- internals -------------------------------------------------------------------------
     def _hook_for(self, plugin: Any, hook_name: str) -> Any:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import pluggy
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ = ["DISTRIBUTION_NAME", "PROJECT_NAME", "hookimpl", "hookspec"]
 
 PROJECT_NAME = "physicsnemo_shardext"
+#: The distribution that ships the framework and its first-party patch families.
+DISTRIBUTION_NAME = "physicsnemo-shardext"
 """pluggy project name, and the entry-point group plugins are published under."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

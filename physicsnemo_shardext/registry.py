@@ -14,10 +14,10 @@ Example:
     >>> registry = PatchRegistry()
     >>> before = shard_registries.snapshot()
     >>> patches = PatchSet("demo")
-    >>> def roll_handler(func, types, args, kwargs): ...
-    >>> patches.function(torch.roll, roll_handler)
+    >>> def cumprod_handler(func, types, args, kwargs): ...
+    >>> patches.function(torch.cumprod, cumprod_handler)
     >>> registry.add_plugin(PluginInfo("demo"), list(patches))
-    >>> shard_registries.current_handler(PatchLevel.FUNCTION, torch.roll) is roll_handler
+    >>> shard_registries.current_handler(PatchLevel.FUNCTION, torch.cumprod) is cumprod_handler
     True
     >>> registry.remove_all()
     >>> shard_registries.snapshot() == before
@@ -37,6 +37,7 @@ from physicsnemo_shardext import shard_registries
 from physicsnemo_shardext.builtins import handler_origin
 from physicsnemo_shardext.declarations import PatchDeclaration
 from physicsnemo_shardext.errors import InvalidPatchDeclaration, PatchConflictError, ShardextWarning
+from physicsnemo_shardext.markers import DISTRIBUTION_NAME
 from physicsnemo_shardext.provenance import Conflict, InstalledPatch, PluginInfo, PluginReport
 from physicsnemo_shardext.resolution import Resolution, resolve_claims
 from physicsnemo_shardext.shard_registries import PatchLevel, SlotState
@@ -59,7 +60,8 @@ class _RegistryState:
     disabled_plugins: tuple[str, ...] = ()
     disabled_targets: frozenset[SlotKey] = frozenset()
     reports: dict[str, PluginReport] = field(default_factory=dict)
-    warned_overrides: set[SlotKey] = field(default_factory=set)
+    # (plugin name, slot): each plugin is told once per built-in it overrides.
+    warned_overrides: set[tuple[str, SlotKey]] = field(default_factory=set)
     warned_conflicts: set[Conflict] = field(default_factory=set)
 
 
@@ -222,6 +224,8 @@ class PatchRegistry:
         return shard_registries.capture_slot(*key)
 
     def _check_override(self, plugin: PluginInfo, declaration: PatchDeclaration) -> None:
+        if declaration.level is PatchLevel.ATTRIBUTE:
+            return  # replace_attribute is itself the explicit consent (and carries a reason)
         prior = self._prior_state(declaration.key)[0]
         if prior is not None and not declaration.override:
             raise InvalidPatchDeclaration(
@@ -238,9 +242,12 @@ class PatchRegistry:
                 installed is not None
                 and installed.plugin.name == plugin.name
                 and installed.overrides_builtin
-                and declaration.key not in self._state.warned_overrides
+                and declaration.level is not PatchLevel.ATTRIBUTE
+                and (plugin.name, declaration.key) not in self._state.warned_overrides
+                # First-party overrides are documented per family; warning on every import is noise.
+                and plugin.distribution != DISTRIBUTION_NAME
             ):
-                self._state.warned_overrides.add(declaration.key)
+                self._state.warned_overrides.add((plugin.name, declaration.key))
                 warnings.warn(
                     f"plugin {plugin.label} overrides PhysicsNeMo's built-in handler for "
                     f"{declaration.target_name}; the built-in stays reachable through "
@@ -309,7 +316,8 @@ class PatchRegistry:
         )
 
     def _handler_to_install(self, patch: InstalledPatch) -> Callable:
-        if not self._trace:
+        if not self._trace or patch.declaration.level is PatchLevel.ATTRIBUTE:
+            # Attributes are installed verbatim: a wrapper would turn a staticmethod into a bound method.
             return patch.declaration.handler  # no wrapper on the dispatch hot path
         return traced_handler(
             patch.declaration.handler, target=patch.declaration.target_name, plugin=patch.plugin.label

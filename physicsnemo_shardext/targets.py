@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from physicsnemo_shardext.shard_registries import PatchLevel
+from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
 
 __all__ = ["describe_handler", "describe_target", "infer_level", "resolve_target", "validate_handler"]
 
@@ -44,8 +45,8 @@ def describe_target(target: Any) -> str:
     >>> describe_target(F.max_pool2d), describe_target("mylib.op.default"), describe_target(torch.ops.aten.roll)
     ('torch.nn.functional.max_pool2d', 'mylib.op.default', 'aten.roll')
     """
-    if isinstance(target, str):
-        return target
+    if isinstance(target, (str, AttributeTarget)):
+        return str(target)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(target)
     name = getattr(target, "__name__", None)
@@ -107,6 +108,8 @@ def infer_level(target: Any) -> PatchLevel:
     """
     if isinstance(target, torch._ops.OpOverload):
         return PatchLevel.DISPATCH
+    if isinstance(target, AttributeTarget):
+        return PatchLevel.ATTRIBUTE
     if isinstance(target, str):
         return PatchLevel.NAMED
     return PatchLevel.FUNCTION
@@ -115,8 +118,17 @@ def infer_level(target: Any) -> PatchLevel:
 def resolve_target(target: Any, level: PatchLevel) -> Any:
     """Return the registry key for ``target`` at ``level`` or raise ``ValueError`` saying why.
 
-    Function-level targets may be given as dotted strings (``"torch.roll"``).
+    Function-level targets may be given as dotted strings (``"torch.roll"``);
+    attribute-level targets are :class:`AttributeTarget` whose owner has the attribute.
     """
+    if level is PatchLevel.ATTRIBUTE:
+        if not isinstance(target, AttributeTarget):
+            raise ValueError(f"attribute-level targets must be AttributeTarget(owner, name), got {type(target).__name__}")
+        if not isinstance(target.owner, (type, types.ModuleType)):
+            raise ValueError(f"the owner of {target.name!r} must be a class or a module, got {type(target.owner).__name__}")
+        if not hasattr(target.owner, target.name):
+            raise ValueError(f"{target} does not exist (no attribute {target.name!r} on its owner)")
+        return target
     if level is PatchLevel.DISPATCH:
         if isinstance(target, torch._ops.OpOverloadPacket):
             raise ValueError(
@@ -163,6 +175,10 @@ def validate_handler(handler: Any, level: PatchLevel, target: Any) -> None:
     ...
     ValueError: function-level handlers are called as handler(func, types, args, kwargs); this one cannot take those arguments: too many positional arguments
     """
+    if level is PatchLevel.ATTRIBUTE:
+        if handler is None:
+            raise ValueError("an attribute cannot be replaced by None")
+        return  # any value may replace an attribute; the plugin states why (``reason``)
     if not callable(handler):
         raise ValueError(f"handler must be callable, got {type(handler).__name__}")
     try:

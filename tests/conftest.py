@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import physicsnemo_shardext
 from physicsnemo_shardext import shard_registries
 from physicsnemo_shardext.registry import PatchRegistry
 
@@ -21,7 +22,25 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def pristine_registries() -> Iterator[shard_registries.RegistrySnapshot]:
-    """Snapshot ShardTensor's registries before the test and restore them after it."""
+    """PhysicsNeMo's built-ins only: the autoloaded plugins are switched off for the test.
+
+    The framework's tests declare sample patches for ops (``torch.roll``, ``torch.cumsum``
+    ...) that first-party families also patch; they test the mechanism, so they start
+    from the built-in registries. Everything is restored afterwards.
+    """
+    registry = physicsnemo_shardext.get_registry()
+    autoloaded = [report.plugin.name for report in registry.reports()]
+    with registry.disabled(plugins=autoloaded):
+        before = shard_registries.snapshot()
+        try:
+            yield before
+        finally:
+            shard_registries.restore(before)
+
+
+@pytest.fixture
+def registry_snapshot() -> Iterator[shard_registries.RegistrySnapshot]:
+    """Snapshot ShardTensor's registries (autoloaded plugins included) and restore them after the test."""
     before = shard_registries.snapshot()
     try:
         yield before

@@ -25,8 +25,11 @@ def test_list_json_has_provenance_of_every_handler():
     assert gelu["distribution"].startswith("physicsnemo-shardext==")
     assert gelu["handler"] == "physicsnemo_shardext.patches.pointwise.local_pointwise"
     assert gelu["priority"] == 0 and gelu["overrides_builtin"] is False and gelu["replaced"] is None
-    conv = rows[("torch.nn.functional.conv2d", "function")]
-    assert conv["provider"] == "physicsnemo" and conv["distribution"].startswith("nvidia-physicsnemo==2.2")
+    conv = rows[("torch.nn.functional.conv2d", "function")]  # first-party override of a built-in
+    assert conv["provider"] == "convolution" and conv["overrides_builtin"] is True
+    assert conv["replaced"].startswith("physicsnemo.domain_parallel.shard_utils.conv_patches.")
+    unbind = rows[("torch.unbind", "function")]
+    assert unbind["provider"] == "physicsnemo" and unbind["distribution"].startswith("nvidia-physicsnemo==2.2")
     assert rows[("aten.view.default", "dispatch")]["provider"] == "physicsnemo"
     assert any(p["plugin"] == "pointwise" and p["status"] == "loaded" for p in data["plugins"])
 
@@ -53,7 +56,7 @@ from physicsnemo_shardext import hookimpl
 def h(func, types, args, kwargs): ...
 @hookimpl
 def shardext_declare_patches(patches):
-    patches.function(torch.cumsum, h, priority=3)
+    patches.function(torch.cumprod, h, priority=3)
 """
     write_plugin_distribution(tmp_path, "left-dist", "1.0", {"left": "left_cli"}, {"left_cli": plugin})
     write_plugin_distribution(tmp_path, "right-dist", "1.0", {"right": "right_cli"}, {"right_cli": plugin})
@@ -68,7 +71,7 @@ def shardext_declare_patches(patches):
         [sys.executable, "-m", "physicsnemo_shardext", "doctor"], capture_output=True, text=True, env=env, timeout=300
     )
     assert doctor.returncode == 0, doctor.stderr
-    assert "torch.cumsum (priority 3): left, right -> resolved: right wins by SHARDEXT_PREFER" in doctor.stdout
+    assert "torch.cumprod (priority 3): left, right -> resolved: right wins by SHARDEXT_PREFER" in doctor.stdout
     assert "oops (oops-dist==0.2)" in doctor.stdout
 
 
@@ -97,3 +100,23 @@ def test_override_shows_what_it_replaced(pristine_registries):
         assert row["replaced"].endswith("unpooling_patches.generic_interpolate_wrapper")
         assert "yes" in run_cli("list", "--plugin", "interp-override")
     assert physicsnemo_shardext.get_registry().provenance(F.interpolate) is None
+
+
+def test_attribute_replacement_is_listed_with_its_reason(pristine_registries):
+    import physicsnemo_shardext
+    from physicsnemo_shardext import PatchSet
+    from physicsnemo_shardext.provenance import PluginInfo
+
+    class Owner:
+        value = 1
+
+    patches = PatchSet("attr-fix")
+    patches.replace_attribute(Owner, "value", 2, reason="one is wrong here")
+    registry = physicsnemo_shardext.get_registry()
+    with registry.sandbox():
+        registry.add_plugin(PluginInfo("attr-fix", "attr-dist", "0.1"), list(patches))
+        rows = [r for r in json.loads(run_cli("list", "--json"))["handlers"] if r["provider"] == "attr-fix"]
+        assert len(rows) == 1 and rows[0]["level"] == "attribute" and rows[0]["description"] == "one is wrong here"
+        assert rows[0]["target"].endswith("Owner.value")
+        assert "attribute" in run_cli("list", "--plugin", "attr-fix")
+    assert Owner.value == 1

@@ -51,3 +51,31 @@ def test_duplicate_declaration_in_one_plugin_is_refused():
     patches.function(torch.roll, handler)
     with pytest.raises(InvalidPatchDeclaration, match="declared twice"):
         patches.function("torch.roll", handler)
+
+
+class _Owner:
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_replace_attribute_is_validated_and_can_be_not_applicable():
+    from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
+
+    patches = PatchSet("fix")
+    fixed = staticmethod(lambda ctx, grad: 2 * grad)
+    assert patches.replace_attribute(_Owner, "backward", fixed, reason="doubles", applies=lambda: True)
+    (declaration,) = list(patches)
+    assert declaration.level is PatchLevel.ATTRIBUTE and declaration.target == AttributeTarget(_Owner, "backward")
+    assert declaration.description == "doubles" and declaration.target_name.endswith("_Owner.backward")
+    skipped = PatchSet("fix")
+    assert not skipped.replace_attribute(_Owner, "backward", fixed, reason="doubles", applies=lambda: False)
+    assert len(skipped) == 0 and skipped.not_applicable[0][1] == "doubles"
+    for bad, message in (
+        (lambda p: p.replace_attribute(_Owner, "missing", fixed, reason="x"), "does not exist"),
+        (lambda p: p.replace_attribute(_Owner, "backward", fixed, reason=" "), "reason"),
+        (lambda p: p.replace_attribute(object(), "backward", fixed, reason="x"), "class or a module"),
+        (lambda p: p.replace_attribute(_Owner, "backward", fixed, reason="x", applies=lambda: 1 / 0), "applies"),
+    ):
+        with pytest.raises(InvalidPatchDeclaration, match=message):
+            bad(PatchSet("fix"))

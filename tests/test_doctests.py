@@ -15,6 +15,8 @@ MODULES = [
     "physicsnemo_shardext.inventory",
     "physicsnemo_shardext.loader",
     "physicsnemo_shardext.markers",
+    "physicsnemo_shardext.primitives.index_exchange",
+    "physicsnemo_shardext.primitives.layout",
     "physicsnemo_shardext.provenance",
     "physicsnemo_shardext.registry",
     "physicsnemo_shardext.resolution",
@@ -29,7 +31,7 @@ MODULES = [
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples(name, pristine_registries):
+def test_docstring_examples(name, registry_snapshot):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0, f"{name} has no runnable docstring example"

@@ -13,7 +13,7 @@ from physicsnemo_shardext import hookimpl
 def handler(func, types, args, kwargs): ...
 @hookimpl
 def shardext_declare_patches(patches):
-    patches.function(torch.cumsum, handler)
+    patches.function(torch.cumprod, handler)
 """
 
 BROKEN = "raise RuntimeError('cannot import me')"
@@ -24,7 +24,7 @@ from physicsnemo.domain_parallel import ShardTensor
 import torch
 print(json.dumps({
     "reports": {r.plugin.name: [r.status.value, r.plugin.distribution] for r in s.get_registry().reports()},
-    "cumsum": torch.cumsum in ShardTensor._function_registry,
+    "cumsum": torch.cumprod in ShardTensor._function_registry,
     "builtins": len(ShardTensor._function_registry),
 }))
 """

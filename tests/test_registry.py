@@ -186,3 +186,52 @@ def test_duplicate_plugin_name_is_refused(fresh_registry):
     fresh_registry.add_plugin(*declare("same", torch.roll))
     with pytest.raises(InvalidPatchDeclaration, match="already loaded"):
         fresh_registry.add_plugin(*declare("same", torch.flip))
+
+
+class _Owner:
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _attribute_fix(name, factor, priority=0):
+    patches = PatchSet(name)
+    patches.replace_attribute(
+        _Owner, "backward", staticmethod(lambda ctx, grad: factor * grad), reason=f"x{factor}", priority=priority
+    )
+    return PluginInfo(name, distribution=f"{name}-dist", version="1.0"), list(patches)
+
+
+def test_attribute_replacement_provenance_conflicts_and_undo(fresh_registry, pristine_registries):
+    original = _Owner.__dict__["backward"]
+    fresh_registry.add_plugin(*_attribute_fix("fix-a", 2))
+    assert _Owner.backward(None, 1) == 2
+    (record,) = [p for p in fresh_registry.installed() if p.declaration.level is PatchLevel.ATTRIBUTE]
+    assert record.plugin.name == "fix-a" and record.replaced is original and record.overrides_builtin is False
+    with pytest.warns(ShardextWarning, match="neither handler"):
+        fresh_registry.add_plugin(*_attribute_fix("fix-b", 3))  # equal priority: conflict, original back
+    assert _Owner.__dict__["backward"] is original
+    fresh_registry.remove_plugin("fix-b")
+    assert _Owner.backward(None, 1) == 2
+    with fresh_registry.disabled(plugins=["fix-a"]):
+        assert _Owner.__dict__["backward"] is original
+    from physicsnemo_shardext import AttributeTarget
+
+    with fresh_registry.disabled(targets=[AttributeTarget(_Owner, "backward")]):
+        assert _Owner.__dict__["backward"] is original  # an attribute target "falls back" to its original
+    assert _Owner.backward(None, 1) == 2
+    with fresh_registry.sandbox():
+        fresh_registry.add_plugin(*_attribute_fix("fix-c", 5, priority=1))
+        assert _Owner.backward(None, 1) == 5
+    assert _Owner.backward(None, 1) == 2
+    fresh_registry.remove_all()
+    assert _Owner.__dict__["backward"] is original and shard_registries.snapshot() == pristine_registries
+
+
+def test_first_party_override_is_not_warned_about_but_recorded(fresh_registry, pristine_registries):
+    info, declarations = declare("first-party-interp", F.interpolate, override=True)
+    first_party = PluginInfo(info.name, "physicsnemo-shardext", "0.1.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardextWarning)
+        fresh_registry.add_plugin(first_party, declarations)
+    assert fresh_registry.provenance(F.interpolate).overrides_builtin

@@ -52,3 +52,26 @@ def test_difference_names_changed_keys(pristine_registries):
     shard_registries.set_handler(PatchLevel.FUNCTION, torch.roll, handler)
     diff = shard_registries.snapshot().difference(pristine_registries)
     assert len(diff) == 1 and "_function_registry" in diff[0]
+
+
+class _Owner:
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_attribute_slots_snapshot_and_restore_exactly(pristine_registries):
+    from physicsnemo_shardext.shard_registries import AttributeTarget, original_attribute
+
+    target = AttributeTarget(_Owner, "backward")
+    original = _Owner.__dict__["backward"]
+    replacement = staticmethod(lambda ctx, grad: 2 * grad)
+    shard_registries.set_handler(PatchLevel.ATTRIBUTE, target, replacement)
+    assert _Owner.backward(None, 3) == 6 and original_attribute(target) is original
+    assert (PatchLevel.ATTRIBUTE, target, replacement) in list(shard_registries.iter_handlers())
+    assert "attributes" in shard_registries.snapshot().difference(pristine_registries)[0]
+    shard_registries.restore(pristine_registries)
+    assert _Owner.__dict__["backward"] is original and shard_registries.snapshot() == pristine_registries
+    shard_registries.set_handler(PatchLevel.ATTRIBUTE, target, replacement)
+    shard_registries.remove_handler(PatchLevel.ATTRIBUTE, target)  # an attribute "falls back" to its original
+    assert _Owner.__dict__["backward"] is original

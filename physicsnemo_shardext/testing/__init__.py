@@ -40,6 +40,10 @@ _EXPORTS: dict[str, str] = {
     "CommCounter": "comm_accounting",
     "CommStats": "comm_accounting",
     "PhaseCommStats": "comm_accounting",
+    # activation all-gather detection
+    "GatherRecorder": "activation_gathers",
+    "assert_no_activation_gather": "activation_gathers",
+    "smallest_activation_numel": "activation_gathers",
     # per-test isolation
     "rank_test_environment": "isolation",
     "registry_sandbox_context": "isolation",

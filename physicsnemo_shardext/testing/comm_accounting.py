@@ -5,7 +5,9 @@
 ``reduce_scatter_``, ``alltoall_``, ``broadcast_``, ``send``, ``recv_`` ...) and
 the functional collectives DTensor uses (``torch.ops._c10d_functional.*``).
 Unlike ``CommDebugMode`` it installs no module hooks, so it cannot disturb
-unevenly sharded ShardTensors.
+unevenly sharded ShardTensors. Ops on DTensor / ShardTensor are deferred to
+their own dispatch with the counter still active, so the collectives issued
+*inside* it (a redistribution of the DTensor fallback) are counted too.
 
 **Bytes definition**: for each call, the sum of ``nbytes`` of the tensors this
 rank *hands to* the collective (its input/payload: e.g. the tensor of an
@@ -28,10 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["CommCounter", "CommStats", "PhaseCommStats"]
+
+_DISTRIBUTED_SUBCLASSES = (DTensor, ShardTensor)
 
 # Ops that are bookkeeping, not communication.
 _IGNORED = {"wait_tensor", "wait", "_wrap_tensor_autograd"}
@@ -132,6 +138,11 @@ class CommCounter(TorchDispatchMode):
         self.calls: list[tuple[str, int]] = []  # in order, for debugging
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(issubclass(t, _DISTRIBUTED_SUBCLASSES) for t in types):
+            # A mode is switched off while its handler runs. Deferring ops on DTensor /
+            # ShardTensor lets their own dispatch run with the counter still active, so
+            # the collectives they issue inside (e.g. a DTensor fallback's all-gather) count.
+            return NotImplemented
         kwargs = kwargs or {}
         named = _op_name(func)
         if named is not None:

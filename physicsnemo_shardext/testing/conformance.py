@@ -6,7 +6,8 @@
 2. on ShardTensor inputs (sharded as the caller says, evenly or unevenly),
 
 then compares the outputs (``full_tensor()``), the outputs' placements, the
-input gradients and every parameter gradient, using a deterministic random
+input gradients, every parameter gradient and every buffer after the run
+(running statistics, counters), using a deterministic random
 cotangent sharded like the output. Mismatches from all ranks are gathered and
 raised on every rank as one :class:`ConformanceError` (an ``AssertionError``)
 that names the tensor, the max abs error and the ranks. A second pass, on fresh
@@ -194,7 +195,9 @@ def _compare(
         mismatches.append(Mismatch(what, f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"))
         return
     actual, expected = actual.detach(), expected.detach()
-    error = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    # Complex values are compared as complex (.double() would drop the imaginary part).
+    wide = torch.complex128 if actual.is_complex() or expected.is_complex() else torch.float64
+    error = (actual.to(wide) - expected.to(wide)).abs().max().item() if actual.numel() else 0.0
     errors[what] = error
     if not torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
         mismatches.append(Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}", error))
@@ -231,6 +234,28 @@ def _param_grad(name: str, param: torch.Tensor, params: ParamMode, mismatches: l
     if all(isinstance(p, Replicate) for p in grad.placements):
         return grad.to_local()
     return grad.full_tensor()
+
+
+def _compare_buffers(
+    sharded: torch.nn.Module, reference: torch.nn.Module, rtol: float, atol: float,
+    mismatches: list[Mismatch], errors: dict[str, float],
+) -> None:
+    """Buffers after the run (running stats, counters) must equal the reference's, on every rank.
+
+    A distributed buffer is compared through its local copy when Replicate (every rank must
+    hold the full, identical value), else gathered. Cheap: buffers are small.
+    """
+    sh_buffers = dict(sharded.named_buffers())
+    for name, ref_buffer in reference.named_buffers():
+        what = f"buffer {name!r}"
+        if name not in sh_buffers:
+            mismatches.append(Mismatch(what, "buffer missing from the sharded module"))
+            continue
+        actual = sh_buffers[name]
+        if isinstance(actual, _DISTRIBUTED):
+            replicated = all(isinstance(p, Replicate) for p in actual.placements)
+            actual = actual.to_local() if replicated else actual.full_tensor()
+        _compare(what, actual, ref_buffer, rtol, atol, mismatches, errors)
 
 
 def _checksum(tensors: Sequence[torch.Tensor]) -> str:
@@ -357,6 +382,7 @@ def check_conformance(
                 continue
             actual = _param_grad(name, sh_params[name], params, mismatches)
             _compare(what, actual, ref_param.grad, grad_rtol, grad_atol, mismatches, report.max_abs_errors)
+        _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors)
 
     merged = _merge(_all_gather(mismatches))
     if merged:

@@ -154,7 +154,11 @@ def run_task(task: TestTask, rank: int) -> RankResult:
         function = _resolve(module, task.qualname)
         kwargs = pickle.loads(task.kwargs_blob)
         with rank_test_environment(task.seed) as registry:
-            function(**materialize(kwargs, registry))
+            arguments = materialize(kwargs, registry)
+            try:
+                function(**arguments)
+            finally:
+                _undo_monkeypatches(arguments)
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
         elapsed = time.perf_counter() - start
         if _is_skip(exc):
@@ -163,6 +167,20 @@ def run_task(task: TestTask, rank: int) -> RankResult:
             raise
         return RankResult(rank, "failed", _format_exception(exc), elapsed)
     return RankResult(rank, "passed", "", time.perf_counter() - start)
+
+
+def _undo_monkeypatches(arguments: dict[str, Any]) -> None:
+    """Undo what a ``monkeypatch`` fixture did on this rank.
+
+    The fixture's teardown runs in the pytest process, on the pickled original,
+    so changes made through the rank's copy would otherwise leak into later
+    tests run by this long-lived worker.
+    """
+    import pytest
+
+    for value in arguments.values():
+        if isinstance(value, pytest.MonkeyPatch):
+            value.undo()
 
 
 def _redirect_output(log_path: str) -> Any:

@@ -70,6 +70,7 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
     with physicsnemo_shardext.disabled(targets=[F.gelu]):
         fallback = measure_comms(F.gelu, [x], spec)
     assert patched.forward.total_bytes == 0
+    # DTensor also runs a pointwise op locally; the patch only skips the conversion round trip.
     assert fallback.forward.total_bytes >= patched.forward.total_bytes
 
 

@@ -97,3 +97,16 @@ def test_no_collectives_outside_distributed():
         torch.ones(3).sum()
     assert counter.stats.total_calls == 0
     assert str(counter.stats) == "no collectives"
+
+
+@pytest.mark.multirank(2)
+def test_sees_collectives_issued_inside_dtensor_dispatch(domain_mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    x = distribute_tensor(torch.randn(8, 4), domain_mesh, [Shard(0)])
+    with CommCounter() as counter:
+        x.redistribute(domain_mesh, [Replicate()])
+        (x * 2.0).sum()  # a local DTensor op issues no collective
+    # The redistribution all-gathers this rank's 4x4 float32 block inside DTensor's dispatch.
+    gathers = {k: v for k, v in counter.stats.bytes.items() if "gather" in k}
+    assert sum(gathers.values()) >= 4 * 4 * 4, counter.stats

@@ -125,3 +125,26 @@ def test_different_inputs_across_ranks_are_refused(domain_mesh, rank):
     x = torch.randn(4, 6) + rank
     with pytest.raises(ValueError, match="identical"):
         check_conformance(torch.tanh, [x], ShardSpec(domain_mesh, [Shard(1)]))
+
+
+class _LocalSumTracker(torch.nn.Module):
+    """Correct output, but its buffer records only this rank's shard (a wrong running statistic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        local = x.to_local() if hasattr(x, "to_local") else x
+        with torch.no_grad():
+            self.seen.add_(local.detach().sum())
+        return torch.tanh(x)
+
+
+@pytest.mark.multirank(2)
+def test_wrong_buffer_is_caught(domain_mesh):
+    x = torch.randn(2, 9)
+    with pytest.raises(ConformanceError) as info:
+        check_conformance(_LocalSumTracker(), [x], ShardSpec(domain_mesh, [Shard(1)], [5, 4]),
+                          params="plain", count_comms=False)
+    assert {m.what for m in info.value.mismatches} == {"buffer 'seen'"}

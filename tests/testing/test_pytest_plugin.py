@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -171,3 +172,15 @@ def test_needs_lock(lock):
     result.assert_outcomes(errors=1, failed=1)
     result.stdout.fnmatch_lines(["*fixture 'domain_mesh' only exists in @pytest.mark.multirank tests*"])
     result.stdout.fnmatch_lines(["*argument 'lock' of multirank test cannot be sent to the ranks*"])
+
+
+@pytest.mark.multirank(2)
+def test_monkeypatch_on_a_rank_sets_the_value(monkeypatch, rank):
+    monkeypatch.setenv("SHARDEXT_TEST_MONKEYPATCH_LEAK", str(rank))
+    assert os.environ["SHARDEXT_TEST_MONKEYPATCH_LEAK"] == str(rank)
+
+
+@pytest.mark.multirank(2)
+def test_monkeypatch_on_a_rank_is_undone_before_the_next_test(rank):
+    # Runs in the same long-lived workers as the test above (same pool, file order).
+    assert "SHARDEXT_TEST_MONKEYPATCH_LEAK" not in os.environ

@@ -1,0 +1,333 @@
+"""Benchmark an FNO spectral convolution on a field sharded over H: first-party patches vs the DTensor fallback.
+
+The layer is PhysicsNeMo's own ``SpectralConv2d`` (``rfft2`` -> keep the low
+``modes`` x ``modes`` corner and its negative-frequency mirror -> complex
+``einsum`` with replicated weights -> ``F.pad`` back to the full spectrum ->
+``irfft2``), applied to a ``B x C x H x W`` field sharded evenly over H. Both
+variants run in the same processes, one after the other:
+
+* ``patched``: the first-party ``fft`` and ``spectral`` plugins (distributed
+  FFTs by all-to-all transposes, mode slicing on the sharded spectrum);
+* ``fallback``: the same code under ``physicsnemo_shardext.disabled(plugins=["fft", "spectral"])``,
+  i.e. ShardTensor's DTensor fallback for those ops.
+
+Per rank and variant it reports the collectives and payload bytes of one forward
+and one backward (``CommCounter``: bytes this rank hands to collectives, plus the
+collectives DTensor issues inside its own dispatch, which a dispatch mode cannot
+see; see ``_comm_counter``), the
+peak extra resident memory of one forward+backward, and the median wall time of
+``--repeats`` forward+backward steps. A variant whose backward raises is
+reported as ``crashes (<exception>)`` and timed on the forward only.
+
+Memory on CPU: torch has no allocator statistics for CPU tensors, and
+``tracemalloc`` does not see them. We reset the kernel's resident-set
+high-water mark (``/proc/self/clear_refs``, ``VmHWM``) right before the step and
+report ``VmHWM - VmRSS(before)``; glibc's mmap threshold is pinned to 128 KiB so
+every large tensor is its own mapping, returned to the OS when freed (otherwise
+freed buffers would be reused from the heap and hide later peaks). On CUDA the
+allocator's ``max_memory_allocated`` is used instead.
+
+Usage::
+
+    python benchmarks/spectral_layer.py --nproc 2                # spawns 2 gloo CPU ranks itself
+    torchrun --nproc-per-node 4 benchmarks/spectral_layer.py     # gloo on CPU, NCCL on GPUs
+    python benchmarks/spectral_layer.py --nproc 2 --height 16 --width 16 --channels 2 --modes 2 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = ("patched", "fallback")
+DEFAULT_FALLBACK_PLUGINS = "fft,spectral"
+
+
+@dataclass
+class RankResult:
+    """What one rank measured for one variant."""
+
+    variant: str
+    rank: int
+    local_rows: int
+    forward_calls: int = 0
+    forward_bytes: int = 0
+    backward_calls: int | None = None
+    backward_bytes: int | None = None
+    peak_mib: float | None = None
+    median_ms: float = float("nan")
+    max_error: float = float("nan")
+    status: str = "ok"
+
+
+# -- memory ------------------------------------------------------------------------------------
+def _pin_mmap_threshold() -> None:
+    """Make glibc map every allocation above 128 KiB separately, so frees return memory to the OS."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device) -> Iterator[list[float | None]]:
+    """Yield a one-item list that receives the peak extra memory of the block, in MiB (None: unavailable)."""
+    result: list[float | None] = [None]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        yield result
+        torch.cuda.synchronize()
+        result[0] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # reset VmHWM to the current RSS
+        before = _status_kib("VmRSS")
+    except OSError:
+        yield result  # not Linux, or not allowed: report n/a
+        return
+    yield result
+    result[0] = (_status_kib("VmHWM") - before) / 1024
+
+
+# -- communication -------------------------------------------------------------------------------
+# DTensor's C++ dispatch path runs with dispatch modes stashed, so the collectives a DTensor
+# fallback issues (funcol calls made inside the op) never reach CommCounter. They are Python
+# calls, though: count them there, but only while CommCounter is stashed (otherwise it
+# already sees them as _c10d_functional ops) and only the outermost call (funcol nests).
+_FUNCOL_NAMES = (
+    "broadcast", "all_reduce", "all_gather_single", "all_gather_tensor", "all_gather_tensor_autograd",
+    "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "all_to_all_single",
+    "all_to_all_single_autograd", "all_reduce_coalesced", "permute_tensor",
+)
+
+
+def _comm_counter():
+    """A ``CommCounter`` that also sees collectives issued inside DTensor's dispatch (the fallback)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from physicsnemo_shardext.testing.comm_accounting import CommCounter
+
+    class FallbackAwareCounter(CommCounter):
+        def __enter__(self):
+            self._originals = {n: getattr(funcol, n) for n in _FUNCOL_NAMES if hasattr(funcol, n)}
+            self._depth = 0
+            for name, original in self._originals.items():
+                setattr(funcol, name, self._spy(name, original))
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                for name, original in self._originals.items():
+                    setattr(funcol, name, original)
+
+        def _spy(self, name, original):
+            def spied(tensor, *args, **kwargs):
+                if self._depth == 0 and self not in _get_current_dispatch_mode_stack():
+                    nbytes = sum(t.nbytes for t in (tensor if isinstance(tensor, (list, tuple)) else [tensor]))
+                    self.stats.record(f"funcol.{name} (inside DTensor dispatch)", nbytes)
+                self._depth += 1
+                try:
+                    return original(tensor, *args, **kwargs)
+                finally:
+                    self._depth -= 1
+            return spied
+
+    return FallbackAwareCounter()
+
+
+# -- one variant --------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    votes: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, ok)
+    return all(votes)
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, cotangent: torch.Tensor, backward: bool) -> torch.Tensor:
+    x.grad = None
+    out = layer(x)
+    if backward:
+        out.backward(cotangent)
+    return out
+
+
+def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.device) -> RankResult:
+    """Run forward(+backward) of the spectral layer for one variant on this rank."""
+    import physicsnemo_shardext
+    from physicsnemo.nn.module.spectral_layers import SpectralConv2d
+    from torch.distributed.tensor import Shard, distribute_module
+
+    from physicsnemo_shardext.testing import shard_tensor
+
+    torch.manual_seed(0)  # same weights, field and cotangent on every rank and in both variants
+    layer = SpectralConv2d(args.channels, args.channels, args.modes, args.modes).to(device)
+    full = torch.randn(args.batch, args.channels, args.height, args.width, device=device)
+    full_cotangent = torch.randn_like(full)
+    reference = layer(full).detach()
+    sharded_layer = distribute_module(copy.deepcopy(layer), mesh)
+    x = shard_tensor(full, mesh, [Shard(2)], requires_grad=True)
+    cotangent = shard_tensor(full_cotangent, mesh, [Shard(2)])
+    result = RankResult(variant, dist.get_rank(), x.to_local().shape[2])
+
+    context: Callable[[], contextlib.AbstractContextManager] = (
+        (lambda: physicsnemo_shardext.disabled(plugins=args.fallback_plugins.split(","))) if variant == "fallback"
+        else contextlib.nullcontext
+    )
+    with context():
+        # Counted pass (also the warm-up).
+        try:
+            with _comm_counter() as forward:
+                out = sharded_layer(x)
+            result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
+            result.max_error = (out.full_tensor() - reference).abs().max().item()
+        except Exception as error:
+            result.status = f"forward crashes ({type(error).__name__}: {str(error)[:80]})"
+        if not _all_ranks_agree(result.status == "ok"):
+            result.status = result.status if result.status != "ok" else "forward crashes on another rank"
+            return result
+        backward_works = True
+        try:
+            with _comm_counter() as backward:
+                out.backward(cotangent)
+            result.backward_calls, result.backward_bytes = backward.stats.total_calls, backward.stats.total_bytes
+        except Exception as error:  # the fallback backward of PhysicsNeMo 2.2.2 may raise
+            backward_works = False
+            result.status = f"backward crashes ({type(error).__name__}: {str(error)[:80]})"
+        # Every rank must agree before timing collectives: a rank-local crash would desynchronize.
+        backward_works = _all_ranks_agree(backward_works)
+        if not backward_works and result.status == "ok":
+            result.status = "backward crashes on another rank"
+
+        _sync(device)
+        with peak_memory(device) as peak:
+            _step(sharded_layer, x, cotangent, backward_works)
+        result.peak_mib = peak[0]
+
+        times = []
+        for _ in range(args.repeats):
+            _sync(device)
+            start = time.perf_counter()
+            _step(sharded_layer, x, cotangent, backward_works)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        result.median_ms = statistics.median(times) * 1e3
+    return result
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def markdown_table(results: list[RankResult]) -> str:
+    """One row per (variant, rank)."""
+    lines = [
+        "| variant | rank | local H | fwd collectives | fwd bytes | bwd collectives | bwd bytes "
+        "| peak extra mem | median fwd+bwd | max abs err | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(results, key=lambda r: (VARIANTS.index(r.variant), r.rank)):
+        timed = "fwd+bwd" if r.backward_calls is not None else "fwd only"
+        lines.append(
+            f"| {r.variant} | {r.rank} | {r.local_rows} | {r.forward_calls} | {_fmt_bytes(r.forward_bytes)} "
+            f"| {'-' if r.backward_calls is None else r.backward_calls} | {_fmt_bytes(r.backward_bytes)} "
+            f"| {'n/a' if r.peak_mib is None else f'{r.peak_mib:.1f} MiB'} | {r.median_ms:.1f} ms ({timed}) "
+            f"| {r.max_error:.1e} | {r.status} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Body of every rank: both variants, then rank 0 prints the table."""
+    _pin_mmap_threshold()
+    import physicsnemo_shardext
+
+    manager = physicsnemo_shardext.initialize()  # gloo on CPU, NCCL on GPU
+    try:
+        mesh = manager.initialize_mesh((-1,), ("domain",))
+        results = [measure_variant(v, args, mesh, manager.device) for v in VARIANTS]
+        gathered: list[list[RankResult] | None] = [None] * manager.world_size
+        dist.all_gather_object(gathered, results)
+        if manager.rank == 0:
+            print(
+                f"SpectralConv2d({args.channels}, {args.channels}, modes={args.modes}) on "
+                f"{args.batch}x{args.channels}x{args.height}x{args.width} sharded over H, "
+                f"{manager.world_size} ranks ({manager.device.type}, {dist.get_backend()}), "
+                f"{args.repeats} timed repeats; fallback = plugins {args.fallback_plugins} disabled\n"
+            )
+            print(markdown_table([r for per_rank in gathered for r in per_rank]), flush=True)
+    finally:
+        physicsnemo_shardext.shutdown()
+
+
+# -- launching ------------------------------------------------------------------------------------
+def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)  # like torchrun's OMP_NUM_THREADS=1
+    run(args)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not launched by torchrun")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--height", type=int, default=256, help="sharded dimension")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--modes", type=int, default=16, help="modes kept per dimension")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fallback-plugins", default=DEFAULT_FALLBACK_PLUGINS,
+                        help="comma-separated plugins switched off for the fallback variant")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        run(args)  # launched by torchrun
+    else:
+        torch.multiprocessing.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,371 @@
+"""Strided, dilated, grouped and transposed convolutions on uneven shards.
+
+PhysicsNeMo 2.2.2's conv patch (on ``F.conv1d/2d/3d`` and
+``F.conv_transpose1d/2d/3d``) exchanges a fixed halo with the two neighbours
+and predicts output shard sizes from the haloed input sizes. That is right for
+stride-1 convolutions with odd kernels and "same" padding, but silently wrong
+for strided convolutions on uneven shards (outputs, input and weight grads,
+even the global shape), refuses even kernels and most transposed
+convolutions, and raises ``IndexError`` on a mesh with a replicated mesh dim
+(e.g. ``("ddp", "domain")`` with placements ``[Replicate(), Shard(2)]``).
+
+This patch overrides it. It delegates to the built-in exactly where that is
+right (stride 1, odd kernel, symmetric "same" padding, every mesh dim a
+``Shard``, every shard at least a halo wide) and otherwise works per sharded
+spatial dim, from global indices:
+
+1. **Output rows per rank.** Output row ``o`` goes to the rank that holds the
+   input row under its receptive field's *centre*: ``o*s - pad_left +
+   d*(k-1)//2`` (convolution) or ``i*s - pad + d*(k-1)//2 = o`` for input row
+   ``i`` (transposed). So a "same" conv keeps the input's split, a stride-2 conv
+   halves it and a stride-2 transposed conv doubles it; other configurations
+   give uneven output shards that fall out of the formula (e.g. a "valid" conv
+   shrinks the last shard by ``d*(k-1) - d*(k-1)//2`` rows, the first by the rest).
+2. **Input rows per rank.** Each rank fetches exactly the global input rows its
+   output rows read (convolution: ``o*s - pad_left + t*d``; transposed: every
+   ``i`` with ``i*s + t*d - pad`` in its range), with one
+   :func:`~physicsnemo_shardext.primitives.gather_global_indices` per sharded dim
+   (halos wider than a tiny neighbour shard come from whoever owns the rows).
+3. **Local op.** Convolution: zero-pad the rows beyond the global boundary and
+   convolve with padding 0 along the sharded dims. Transposed: run
+   ``conv_transpose`` with padding 0 / output_padding 0 along the sharded dims
+   on the fetched rows, then crop (or zero-extend, where no input row reaches,
+   e.g. ``output_padding`` rows) to this rank's output rows and add the bias.
+   No boundary contribution is exchanged afterwards: a rank fetches the few
+   input rows it needs instead of partial sums of output rows.
+
+Several sharded spatial dims (2-D mesh) are fetched one after another; the
+second fetch carries the first one's halo, so corners are right. Unsharded
+spatial dims keep the caller's padding. Sharded batch dims need nothing.
+Weight and bias gradients are partial sums over a rank's output rows; they are
+all-reduced over every mesh dim on which the input is sharded (PhysicsNeMo's
+``GradReducer``), so they come back reduced and ``Replicate``; a replicated
+mesh dim (``"ddp"`` with the batch replicated) is correctly left alone.
+
+``Conv*d(padding_mode="circular" | "reflect" | "replicate")`` calls ``F.pad``
+first, then this patch with padding 0: the periodic/mirrored halo comes from
+the padding plugin (patches/padding.py).
+
+Refused (``MissingShardPatch``): ``Partial`` inputs; inputs sharded along the
+channel dim; a ShardTensor weight sharded along a dim (weights must be plain
+tensors or replicated).
+
+Example (2 ranks, H = 17 split 10/7)::
+
+    y = torch.nn.functional.conv2d(x, w, stride=2, padding=1)   # H_out 9, shards 5/4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
+from torch.distributed.tensor import DTensor
+
+from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+
+__all__ = ["CONV_TARGETS", "TRANSPOSED_TARGETS", "RowPlan", "conv_row_plan", "conv_transpose_row_plan", "sharded_conv"]
+
+CONV_TARGETS = (F.conv1d, F.conv2d, F.conv3d)
+TRANSPOSED_TARGETS = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """For one sharded dim: output rows of each coordinate and the input rows it reads.
+
+    Attributes:
+        out_starts: first global output row of each coordinate (plus the total at the end).
+        rows: per coordinate, the global input rows to fetch (in order).
+        before: per coordinate, rows to add (>0, zeros) or crop (<0) before the local result.
+        after: per coordinate, the same after it.
+    """
+
+    out_starts: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+
+    def out_sizes(self) -> list[int]:
+        """Output rows of each coordinate."""
+        return [b - a for a, b in zip(self.out_starts[:-1], self.out_starts[1:])]
+
+
+def _clip(v: int, lo: int, hi: int) -> int:
+    return min(max(v, lo), hi)
+
+
+def _starts(offsets: Sequence[int], total_out: int, anchor: Callable[[int], int]) -> list[int]:
+    """Output start of each coordinate: the first output row whose anchor input row is in its range."""
+    starts = [0] + [_clip(anchor(off), 0, total_out) for off in offsets[1:]] + [total_out]
+    for c in range(1, len(starts)):  # keep them monotone (empty shards, clipping)
+        starts[c] = max(starts[c], starts[c - 1])
+    return starts
+
+
+def conv_row_plan(
+    sizes: Sequence[int], k: int, stride: int, dilation: int, pad_left: int, total_out: int
+) -> RowPlan:
+    """Row plan of a convolution along one sharded dim.
+
+    >>> plan = conv_row_plan([10, 7], k=4, stride=2, dilation=1, pad_left=1, total_out=8)
+    >>> plan.out_sizes(), plan.rows[1], plan.before, plan.after
+    ([5, 3], (9, 10, 11, 12, 13, 14, 15, 16), (1, 0), (0, 0))
+    """
+    offsets = [sum(sizes[:c]) for c in range(len(sizes))]
+    total_in, reach = sum(sizes), dilation * (k - 1)
+    # Output o covers input rows o*s - pad_left + [0, reach]; it belongs to whoever holds its centre.
+    starts = _starts(offsets, total_out, lambda off: -((reach // 2 - pad_left - off) // stride))
+    rows, before, after = [], [], []
+    for c in range(len(sizes)):
+        o0, o1 = starts[c], starts[c + 1]
+        if o1 <= o0:
+            rows.append(()), before.append(0), after.append(0)
+            continue
+        first, last = o0 * stride - pad_left, (o1 - 1) * stride - pad_left + reach
+        fetched = tuple(range(max(first, 0), min(last, total_in - 1) + 1))
+        zeros_before = min(max(0, -first), last - first + 1)
+        rows.append(fetched), before.append(zeros_before)
+        after.append(last - first + 1 - zeros_before - len(fetched))
+    return RowPlan(tuple(starts), tuple(rows), tuple(before), tuple(after))
+
+
+def conv_transpose_row_plan(
+    sizes: Sequence[int], k: int, stride: int, dilation: int, padding: int, total_out: int
+) -> RowPlan:
+    """Row plan of a transposed convolution along one sharded dim.
+
+    ``before``/``after`` adjust the local result of a padding-0 ``conv_transpose`` on
+    the fetched rows to this coordinate's output rows (negative: crop).
+
+    >>> plan = conv_transpose_row_plan([5, 4], k=3, stride=2, dilation=1, padding=1, total_out=18)
+    >>> plan.out_sizes(), plan.rows, plan.before, plan.after
+    ([10, 8], ((0, 1, 2, 3, 4, 5), (5, 6, 7, 8)), (-1, -1), (-2, 0))
+    """
+    offsets = [sum(sizes[:c]) for c in range(len(sizes))]
+    total_in, reach = sum(sizes), dilation * (k - 1)
+    # Input i spreads to uncropped rows i*s + [0, reach]; its centre lands on output i*s - padding + reach//2.
+    starts = _starts(offsets, total_out, lambda off: off * stride - padding + reach // 2)
+    rows, before, after = [], [], []
+    for c in range(len(sizes)):
+        u0, u1 = starts[c] + padding, starts[c + 1] + padding  # this coordinate's rows, uncropped frame
+        lo = max(0, -((reach - u0) // stride))  # ceil((u0 - reach) / s)
+        hi = min(total_in - 1, (u1 - 1) // stride)
+        if u1 <= u0 or hi < lo:
+            rows.append(()), before.append(u1 - u0), after.append(0)  # nothing reaches: all zeros (+bias)
+            continue
+        rows.append(tuple(range(lo, hi + 1)))
+        local_stop = lo * stride + (hi - lo) * stride + reach + 1
+        before.append(lo * stride - u0)
+        after.append(u1 - local_stop)
+    return RowPlan(tuple(starts), tuple(rows), tuple(before), tuple(after))
+
+
+# -- argument handling ---------------------------------------------------------------------------
+def _conv_args(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return input, weight, bias, stride, padding, dilation, groups, 0
+
+
+def _conv_transpose_args(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    return input, weight, bias, stride, padding, dilation, groups, output_padding
+
+
+def _tuple(value: Any, n: int) -> tuple:
+    if isinstance(value, (int, torch.SymInt)):
+        return (int(value),) * n
+    value = tuple(int(v) for v in value)
+    return value * n if len(value) == 1 else value
+
+
+def _name(func: Callable) -> str:
+    return f"torch.nn.functional.{func.__name__}"
+
+
+def _plain(t: Any, func: Callable, what: str) -> Any:
+    """Weights/bias as plain tensors (replicated DTensors are unwrapped, differentiably)."""
+    if isinstance(t, DTensor):
+        if any(p.is_shard() or p.is_partial() for p in t.placements):
+            raise MissingShardPatch(
+                f"{_name(func)}: {what} with placements {t.placements} is not supported (use Replicate)"
+            )
+        return t.full_tensor()
+    return t
+
+
+def _pads(padding: Any, weight: torch.Tensor, dilation: tuple, n: int, func: Callable) -> list[tuple[int, int]]:
+    """(left, right) zero padding per spatial dim; 'same' may be asymmetric (extra row on the right)."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [(0, 0)] * n
+        if padding == "same":
+            totals = [dilation[i] * (weight.shape[2 + i] - 1) for i in range(n)]
+            return [(t // 2, t - t // 2) for t in totals]
+        raise ValueError(f"{_name(func)}: invalid padding string {padding!r}")
+    return [(p, p) for p in _tuple(padding, n)]
+
+
+def _tie(out: torch.Tensor, *sources: torch.Tensor | None) -> torch.Tensor:
+    """``out`` made to depend on ``sources`` (zero contribution), so every rank runs their backward."""
+    for s in sources:
+        if s is not None:
+            out = out + s.sum() * 0
+    return out
+
+
+def _can_delegate(x: ShardTensor, layouts: dict[int, DimLayout], weight, stride, dilation, pads, transposed) -> bool:
+    """Is this a case PhysicsNeMo's built-in conv patch gets right (stride-1 'same' halo conv)?"""
+    if transposed or not all(p.is_shard() for p in x._spec.placements):
+        return False  # it indexes mesh sizes by sharded mesh dims only (IndexError with Replicate dims)
+    for d, layout in layouts.items():
+        if d < 2:
+            continue
+        i = d - 2
+        k, halo = weight.shape[d], dilation[i] * (weight.shape[d] - 1) // 2
+        if k % 2 == 0 or stride[i] != 1 or pads[i] != (halo, halo) or layout.parts < 2:
+            return False
+        if min(layout.sizes) < max(halo, 1):
+            return False  # its neighbour halo exchange cannot reach past a shard narrower than the halo
+    return True
+
+
+def sharded_conv(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """Convolution / transposed convolution on a ShardTensor (see the module docstring).
+
+    Example::
+
+        patches.function(torch.nn.functional.conv2d, sharded_conv, override=True)
+    """
+    transposed = func in TRANSPOSED_TARGETS
+    parse = _conv_transpose_args if transposed else _conv_args
+    x, weight, bias, stride, padding, dilation, groups, output_padding = parse(*args, **kwargs)
+    weight, bias = _plain(weight, func, "weight"), _plain(bias, func, "bias")
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{_name(func)}: the input must be the ShardTensor (got {type(x).__name__})")
+    placements = tuple(x._spec.placements)
+    if any(p.is_partial() for p in placements):
+        raise MissingShardPatch(f"{_name(func)}: input has a Partial placement {placements}; redistribute first")
+    n = weight.ndim - 2
+    stride, dilation, output_padding = _tuple(stride, n), _tuple(dilation, n), _tuple(output_padding, n)
+    pads = _pads(padding, weight, dilation, n, func)
+    if transposed and isinstance(padding, str):
+        raise ValueError(f"{_name(func)}: string padding is not supported for transposed convolutions")
+
+    # torch's own argument checks and the global output shape, on meta tensors.
+    meta = lambda t: None if t is None else torch.empty(t.shape, device="meta", dtype=t.dtype)  # noqa: E731
+    if transposed:
+        left_pads = [p for p, _ in pads]
+        global_out = func(meta(x), meta(weight), meta(bias), stride, left_pads, output_padding, groups, dilation)
+    else:
+        conv_pad = padding if isinstance(padding, str) else [p for p, _ in pads]
+        global_out = func(meta(x), meta(weight), meta(bias), stride, conv_pad, dilation, groups)
+
+    layouts = sharded_dims(x)
+    if 1 in layouts:
+        raise MissingShardPatch(f"{_name(func)}: input sharded along the channel dim ({placements}) is not supported")
+    spatial = {d: layout for d, layout in layouts.items() if d >= 2}
+    if spatial and _can_delegate(x, layouts, weight, stride, dilation, pads, transposed):
+        builtin = builtin_handler(func)
+        if builtin is not None:
+            return builtin(func, types, args, kwargs)
+
+    # Weight/bias gradients are partial sums over this rank's rows: reduce over the sharded mesh dims.
+    weight = GradReducer.apply(weight, x._spec)
+    if bias is not None:
+        bias = GradReducer.apply(bias, x._spec)
+
+    local = x.to_local()
+    new_sizes: dict[int, list[int]] = {}
+    adjust: dict[int, tuple[int, int]] = {}
+    empty = False
+    for d, layout in spatial.items():
+        i = d - 2
+        k = weight.shape[d]
+        if transposed:
+            plan = conv_transpose_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_out.shape[d])
+        else:
+            plan = conv_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_out.shape[d])
+        local = gather_global_indices(local, layout, [list(r) for r in plan.rows])
+        me = layout.coord
+        new_sizes[d] = plan.out_sizes()
+        empty |= not plan.rows[me] if transposed else new_sizes[d][me] == 0
+        adjust[d] = (plan.before[me], plan.after[me])
+
+    shape = list(global_out.shape)
+    shape[0] = local.shape[0]
+    for d, sizes in new_sizes.items():
+        shape[d] = sizes[layouts[d].coord]
+    if empty or local.shape[0] == 0:
+        out = local.new_zeros(shape)
+        if bias is not None:
+            out = out + bias.view([1, -1] + [1] * n)
+        out = _tie(out, local, weight, bias)
+    elif transposed:
+        out = _local_conv_transpose(func, local, weight, bias, stride, pads, output_padding, groups, dilation, adjust)
+    else:
+        out = _local_conv(func, local, weight, bias, stride, pads, groups, dilation, adjust)
+    assert list(out.shape) == shape, f"{_name(func)}: local result {tuple(out.shape)} != planned {tuple(shape)}"
+    return from_local_like(out, x, sizes=new_sizes)
+
+
+def _local_conv(func, local, weight, bias, stride, pads, groups, dilation, adjust) -> torch.Tensor:
+    """Zero-pad global boundaries (sharded dims) and asymmetric pads, then convolve."""
+    n = weight.ndim - 2
+    extra = {d: adjust[d] for d in adjust}  # sharded: boundary zeros
+    conv_padding = []
+    for i in range(n):
+        d = i + 2
+        left, right = pads[i]
+        if d in adjust:
+            conv_padding.append(0)
+        elif left == right:
+            conv_padding.append(left)
+        else:
+            extra[d] = (left, right)
+            conv_padding.append(0)
+    if any(lr != (0, 0) for lr in extra.values()):
+        flat: list[int] = []
+        for d in range(local.ndim - 1, 1, -1):
+            flat.extend(extra.get(d, (0, 0)))
+        local = F.pad(local, flat)
+    return func(local, weight, bias, stride, conv_padding, dilation, groups)
+
+
+def _local_conv_transpose(
+    func, local, weight, bias, stride, pads, output_padding, groups, dilation, adjust
+) -> torch.Tensor:
+    """conv_transpose with padding 0 on sharded dims, cropped/extended to this rank's rows, plus bias."""
+    n = weight.ndim - 2
+    padding = [0 if i + 2 in adjust else pads[i][0] for i in range(n)]
+    out_pad = [0 if i + 2 in adjust else output_padding[i] for i in range(n)]
+    out = func(local, weight, None, stride, padding, out_pad, groups, dilation)
+    flat: list[int] = []
+    for d in range(out.ndim - 1, 1, -1):
+        flat.extend(adjust.get(d, (0, 0)))
+    out = F.pad(out, flat)  # negative entries crop
+    if bias is not None:
+        out = out + bias.view([1, -1] + [1] * n)
+    return out
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals (and its GradReducer)."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Replace PhysicsNeMo's conv patch on every target it registers; delegate where it is right."""
+    for target in CONV_TARGETS + TRANSPOSED_TARGETS:
+        patches.function(
+            target,
+            sharded_conv,
+            override=True,
+            description=f"{_name(target)} on uneven shards (any stride/dilation/padding); built-in for stride-1 'same'",
+        )

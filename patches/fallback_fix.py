@@ -1,0 +1,346 @@
+"""Correction of PhysicsNeMo's DTensor-fallback backward (version-detected).
+
+Every op without a shard patch goes through PhysicsNeMo's DTensor fallback,
+which converts ShardTensor inputs with the autograd Function
+``_ShardTensorToDTensor``. In PhysicsNeMo 2.2.2 its ``backward`` rebuilds the
+input spec with ``dataclasses.replace(cached_spec, placements=grad_placements)``.
+On torch >= 2.10 a spec carries a ``shard_order`` derived from its placements,
+which ``replace`` copies unchanged; when the gradient's placements differ from
+the input's (the fallback replicated a sharded input: sort, topk, batch_norm,
+softmax along the sharded dim...) torch rejects the stale ``shard_order``
+("placement[0] doesn't have a matching shard in shard_order") and every such
+backward crashes. Even where it did not crash, relabelling a Replicate
+gradient as ``Shard`` would keep the full tensor as "local shard".
+
+This plugin replaces that ``backward`` (``patches.replace_attribute``) with one
+that returns the gradient in the *input's own* layout, placement by placement:
+
+* grad ``Replicate`` where the input was ``Shard(d)``: keep the local slice
+  given by the cached (possibly uneven) shard sizes, no communication;
+* grad ``Partial`` where the input was ``Replicate``: stay ``Partial``, as
+  PhysicsNeMo intends (the pending sum is resolved at the plain-tensor
+  boundary, e.g. a replicated parameter);
+* any other mismatch (``Partial`` or a differently sharded grad where the input
+  was ``Shard``, a sharded grad where it was ``Replicate``): redistribute to
+  ``Replicate`` on that mesh dim, then take the local slice.
+
+Detection: a behavioural probe (:func:`fallback_backward_is_defective`) calls
+the *original* PhysicsNeMo ``backward`` on a stub context whose spec is
+``Shard(0)`` and a stub gradient whose placements are ``Replicate``; the
+defect shows as torch's ``shard_order`` AssertionError raised while the spec
+is rebuilt, before anything touches a tensor, a mesh or a process group. A
+version check would be both too wide (a PhysicsNeMo 2.2.x with the fix) and
+too narrow (the defect needs torch's ``shard_order`` too); the probe tests the
+exact failing step with no side effect and runs in microseconds.
+
+Second correction: the backward *entry points*. ``torch.Tensor.backward`` and
+``torch.autograd.backward`` have no shard patch in PhysicsNeMo 2.2, so they go
+through the DTensor fallback, which runs the whole backward pass inside its
+conversion scope where ShardTensor dispatch is bypassed. Anything that runs
+forward ops during backward (``torch.utils.checkpoint`` recomputation) then
+runs them on ShardTensors with no shard patch (no halo): CheckpointError or
+wrong values. ``torch.autograd.grad`` is already a PhysicsNeMo passthrough;
+:func:`backward_in_shard_space` does for ``backward`` what plain torch does,
+running the autograd engine on the ShardTensors themselves. Declared per
+entry point only where PhysicsNeMo neither passes it through nor handles it,
+and only where torch has the private engine helpers it needs
+(:func:`backward_entry_status`).
+
+Example (what ``shardext list --plugin fallback_fix`` shows on an affected install)::
+
+    physicsnemo.domain_parallel.shard_tensor._ShardTensorToDTensor.backward  attribute  ...
+    torch.Tensor.backward                                                    function   ...
+    torch.autograd.backward                                                  function   ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.overrides import is_tensor_like
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.builtins import builtin_handler
+from physicsnemo_shardext.shard_registries import AttributeTarget, original_attribute
+
+__all__ = [
+    "backward_entry_status",
+    "backward_in_shard_space",
+    "fallback_backward_is_defective",
+    "fixed_backward",
+    "grad_in_input_layout",
+]
+
+_OWNER = _shard_tensor_module._ShardTensorToDTensor
+_TARGET = AttributeTarget(_OWNER, "backward")
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+# -- detection ------------------------------------------------------------------------------
+def fallback_backward_is_defective() -> bool:
+    """Whether PhysicsNeMo's own ``_ShardTensorToDTensor.backward`` has the stale-``shard_order`` defect.
+
+    Probes the original ``backward`` (the one PhysicsNeMo defined, even if this
+    plugin already replaced it) with stubs; no tensor, mesh or process group is used.
+
+    Example:
+        >>> fallback_backward_is_defective()  # PhysicsNeMo 2.2.2 with torch 2.14
+        True
+    """
+    original = original_attribute(_TARGET)
+    backward = original.__func__ if isinstance(original, staticmethod) else original
+    spec_type = _shard_tensor_module.ShardTensorSpec
+    try:
+        cached = spec_type(mesh=None, placements=(Shard(0),), tensor_meta=None)
+    except Exception:  # a spec type we do not know how to build: not the defect we fix
+        return False
+    grad = SimpleNamespace(_spec=SimpleNamespace(placements=(Replicate(),), tensor_meta=None))
+    try:
+        backward(SimpleNamespace(shard_tensor_spec=cached), grad)
+    except AssertionError as error:
+        return "shard_order" in str(error)
+    except Exception:
+        return False  # it got past rebuilding the spec: the step we fix works
+    return False
+
+
+# -- the fixed backward ---------------------------------------------------------------------
+def _target_placements(input_placements: Sequence[Placement], grad_placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Input placements, except a Partial gradient over a mesh dim where the input was Replicate stays Partial."""
+    return tuple(
+        g if isinstance(g, Partial) and isinstance(p, Replicate) else p
+        for p, g in zip(input_placements, grad_placements)
+    )
+
+
+def _slice_to_input_shards(local: torch.Tensor, spec: Any, placements: Sequence[Placement]) -> torch.Tensor:
+    """Cut a tensor replicated over every Shard mesh dim down to this rank's (uneven) shard."""
+    shapes = spec.sharding_shapes()
+    mesh = spec.mesh
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, Shard):
+            continue
+        dim = placement.dim % local.dim()
+        sizes = [s[dim] for s in shapes[mesh_dim]]
+        coord = mesh.get_local_rank(mesh_dim)
+        start = sum(sizes[:coord])
+        local = local.narrow(dim, start, sizes[coord])
+    return local
+
+
+def grad_in_input_layout(grad_output: DTensor, spec: Any) -> ShardTensor:
+    """Bring a fallback gradient into the layout of the ShardTensor it is the gradient of.
+
+    Args:
+        grad_output: the DTensor gradient DTensor's autograd produced for the input.
+        spec: the input's cached ``ShardTensorSpec`` (placements and uneven sharding shapes).
+
+    Returns:
+        A ShardTensor with the input's placements (Partial kept where the input
+        was Replicate) and exactly the input's local shard shapes.
+    """
+    target = _target_placements(spec.placements, grad_output.placements)
+    grad_placements = tuple(grad_output.placements)
+    local = grad_output._local_tensor
+    if grad_placements == target and tuple(local.shape) == tuple(spec.local_shape):
+        # Already the input's layout (the op ran locally): adopt the grad's own stride, as
+        # PhysicsNeMo does, since grad memory may be laid out unlike the primal's.
+        local_grad, tensor_meta = local, grad_output._spec.tensor_meta
+    else:
+        # Replicate every mesh dim the input is sharded on (and resolve other mismatches), then slice.
+        staged = tuple(
+            t if isinstance(t, Partial) or (t == g and not isinstance(t, Shard)) else Replicate()
+            for t, g in zip(target, grad_placements)
+        )
+        if staged != grad_placements:
+            local = grad_output.redistribute(grad_output.device_mesh, staged)._local_tensor
+        local_grad = _slice_to_input_shards(local, spec, target).contiguous()
+        meta = spec.tensor_meta
+        tensor_meta = meta._replace(stride=_contiguous_stride(meta.shape), dtype=local_grad.dtype)  # a NamedTuple
+    new_spec = dataclasses.replace(
+        spec,
+        placements=target,
+        shard_order=None,  # re-derived from the new placements (keeping the stale one is the defect)
+        tensor_meta=tensor_meta,
+    )
+    return ShardTensor.__new__(ShardTensor, local_tensor=local_grad, spec=new_spec, requires_grad=False)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(tuple(shape)):
+        stride.append(running)
+        running *= max(int(size), 1)
+    return tuple(reversed(stride))
+
+
+def fixed_backward(ctx: Any, grad_output: DTensor) -> tuple[ShardTensor]:
+    """Replacement for ``_ShardTensorToDTensor.backward``: the gradient in the input's own layout.
+
+    Example (inside a multi-rank run, through any op that takes the fallback)::
+
+        y = torch.sort(x_sharded, dim=2).values      # fallback replicates dim 2
+        y.sum().backward()                           # x_sharded.grad: Shard(2), x's uneven sizes
+    """
+    return (grad_in_input_layout(grad_output, ctx.shard_tensor_spec),)
+
+
+# -- backward entry points ------------------------------------------------------------------
+#: Entry points that start a backward pass; PhysicsNeMo 2.2 sends both through the DTensor fallback.
+BACKWARD_ENTRY_POINTS: tuple[Callable, ...] = (torch.Tensor.backward, torch.autograd.backward)
+
+# Private torch helpers torch.autograd.backward itself uses after its __torch_function__ check;
+# calling them (rather than torch.autograd.backward) is what keeps the backward out of
+# __torch_function__ without disabling subclass dispatch for the ops autograd runs.
+_ENGINE_HELPERS = (
+    (torch.autograd, "_make_grads"),
+    (torch.autograd, "_tensor_or_tensors_to_tuple"),
+    (torch.autograd.graph, "_engine_run_backward"),
+)
+
+
+def _missing_engine_helpers() -> list[str]:
+    return [f"{mod.__name__}.{name}" for mod, name in _ENGINE_HELPERS if not callable(getattr(mod, name, None))]
+
+
+def backward_entry_status(entry: Callable) -> str | None:
+    """Why ``entry`` (``torch.Tensor.backward`` or ``torch.autograd.backward``) needs no handler here, or None.
+
+    None means: PhysicsNeMo routes it through the DTensor fallback (neither an
+    autograd passthrough nor a built-in handler) and torch has the engine
+    helpers :func:`backward_in_shard_space` needs, so the handler is declared.
+
+    Example:
+        >>> backward_entry_status(torch.autograd.backward) is None  # PhysicsNeMo 2.2.2, torch 2.14
+        True
+    """
+    if entry in getattr(ShardTensor, "_autograd_passthrough_functions", ()):
+        return "PhysicsNeMo already runs it directly on ShardTensors (autograd passthrough)"
+    if builtin_handler(entry) is not None:
+        return "PhysicsNeMo has its own handler for it"
+    missing = _missing_engine_helpers()
+    if missing:
+        return f"this torch lacks the private autograd helpers the handler needs: {', '.join(missing)}"
+    return None
+
+
+def _inputs_tuple(value: Any) -> tuple[Any, ...]:
+    """``inputs`` as torch.autograd.backward normalizes it (a dict gives its values)."""
+    if is_tensor_like(value) or isinstance(value, torch.autograd.graph.GradientEdge):
+        return (value,)
+    if type(value) is dict:
+        return tuple(value.values())
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"`inputs` argument to `backward()` must be a dict, not {type(value).__name__}. "
+            "Other Mapping types are not supported."
+        )
+    return tuple(value)
+
+
+def _refuse_promoted(func: Callable, name: str, value: Any) -> None:
+    """A bare DTensor here is a plain tensor PhysicsNeMo promoted before the handler ran: no longer the caller's."""
+    if isinstance(value, DTensor) and not isinstance(value, ShardTensor):
+        hint = "pass it in a list (inputs=[t])" if name == "inputs" else "pass a ShardTensor in the output's layout"
+        raise MissingShardPatch(
+            f"{getattr(func, '__qualname__', func)}: a single non-ShardTensor tensor as `{name}=` next to a "
+            f"ShardTensor (PhysicsNeMo promotes it to a Replicate DTensor copy before any handler runs); {hint}"
+        )
+
+
+def backward_in_shard_space(func: Callable, types: Any, args: tuple, kwargs: dict) -> None:
+    """Run ``Tensor.backward`` / ``torch.autograd.backward`` on ShardTensors as plain torch does.
+
+    Function-level handler for both entry points: the same steps as
+    ``torch.autograd.backward`` after its ``__torch_function__`` check (the
+    ``grad_variables`` merge, ``inputs`` normalization, ``retain_graph``
+    defaulting to ``create_graph``, ``_make_grads``, one engine run), with
+    ShardTensor dispatch left active, so ops autograd runs during backward
+    (checkpoint recomputation) use their shard patches.
+
+    Example (2 ranks)::
+
+        y = torch.utils.checkpoint.checkpoint(conv, x_sharded, use_reentrant=False)
+        y.sum().backward()        # recomputation runs conv with its halo exchange
+    """
+    if func is torch.Tensor.backward:
+        bound = inspect.signature(torch.Tensor.backward).bind(*args, **kwargs)
+        opts = dict(bound.arguments)
+        tensors, grad_tensors, grad_variables = opts.pop("self"), opts.get("gradient"), None
+        _refuse_promoted(func, "gradient", grad_tensors)
+    else:
+        bound = inspect.signature(torch.autograd.backward).bind(*args, **kwargs)
+        opts = dict(bound.arguments)
+        tensors, grad_tensors, grad_variables = opts["tensors"], opts.get("grad_tensors"), opts.get("grad_variables")
+        _refuse_promoted(func, "grad_tensors", grad_tensors)
+    inputs = opts.get("inputs")
+    if func is torch.Tensor.backward:
+        _refuse_promoted(func, "inputs", inputs)
+    retain_graph, create_graph = opts.get("retain_graph"), opts.get("create_graph", False)
+
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "backward() called inside a functorch transform. This is not supported, please use "
+            "functorch.grad or functorch.vjp instead or call backward() outside of functorch transforms."
+        )
+    if grad_variables is not None:  # torch.autograd.backward merged it before dispatching; kept for direct calls
+        warnings.warn("`grad_variables` is deprecated. Use `grad_tensors` instead.", FutureWarning, stacklevel=2)
+        if grad_tensors is not None:
+            raise RuntimeError(
+                "`grad_tensors` and `grad_variables` (deprecated) arguments both passed to `backward()`. "
+                "Please only use `grad_tensors`."
+            )
+        grad_tensors = grad_variables
+    inputs_tuple = () if inputs is None else _inputs_tuple(inputs)
+    if inputs is not None and len(inputs_tuple) == 0:
+        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+    if is_tensor_like(tensors) or isinstance(tensors, torch.autograd.graph.GradientEdge):
+        tensors = (tensors,)
+    else:
+        tensors = tuple(tensors)
+
+    grads = torch.autograd._tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
+    grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    torch.autograd.graph._engine_run_backward(
+        tensors, grads, retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True
+    )
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Replace the fallback backward where the probe finds the defect; handle the backward entry points."""
+    patches.replace_attribute(
+        _OWNER,
+        "backward",
+        staticmethod(fixed_backward),
+        reason="PhysicsNeMo 2.2 fallback backward keeps a stale shard_order (torch>=2.10): "
+        "return the gradient in the input's own layout",
+        applies=fallback_backward_is_defective,
+    )
+    for entry in BACKWARD_ENTRY_POINTS:
+        why_not = backward_entry_status(entry)
+        if why_not is not None:
+            patches.not_applicable.append((entry.__qualname__, why_not))
+            continue
+        patches.function(
+            entry,
+            backward_in_shard_space,
+            description="backward on ShardTensors runs the autograd engine directly, not inside the DTensor "
+            "fallback's conversion scope (so checkpoint recomputation keeps its shard patches)",
+        )

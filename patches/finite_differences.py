@@ -1,0 +1,328 @@
+"""torch.gradient and torch.diff along sharded dims, by halo exchange.
+
+Without these patches the calls go through the DTensor fallback (an all-gather
+of the activation; its backward fails on torch 2.14). Here each rank fetches
+only the rows its stencil needs from other ranks
+(:func:`~physicsnemo_shardext.primitives.gather_global_indices`, which also
+reaches past a neighbour whose shard is thinner than the halo), runs the torch
+op on its extended block and keeps its own rows.
+
+``torch.gradient`` (``spacing`` a scalar, a list of scalars or a list of 1-D
+coordinate tensors; ``dim`` None, an int or a tuple; ``edge_order`` 1 or 2):
+halo of one row on each side, widened at the global edges to the
+``edge_order + 1`` rows of the one-sided formula. Every output keeps the
+input's placements and shard sizes.
+
+``torch.diff`` (any ``n``, ``prepend``/``append``, ``dim``): along a sharded dim
+the output is ``n`` rows shorter. **Which ranks lose rows:** the ``prepend`` rows
+count as the first coordinate's and the ``append`` rows as the last
+coordinate's; output row ``j`` (``= sum_k c_k z[j + k]`` over the concatenation
+``z``) belongs to the owner of ``z[j]``, so the last ``n`` rows of ``z`` start
+no output row: the trailing coordinate(s) lose ``n`` rows in all (possibly
+emptying thin shards), and each rank needs a halo of ``n`` rows *after* its
+shard. Example: sizes 5/2, ``n=1`` -> output sizes 5/1; sizes 5/1, ``n=2``
+-> 4/0.
+
+Refused (``MissingShardPatch``): ``Partial`` placements; coordinate tensors
+that are ShardTensors or require grad; ``prepend``/``append`` that are
+ShardTensors (pass plain tensors: they are replicated on every rank) or plain
+tensors that require grad while ShardTensor's promotion of plain tensors is
+disabled; non-int dims.
+
+Example (2 ranks, ``x`` of shape (4, 17) sharded ``Shard(1)`` 10/7)::
+
+    (gx, gy) = torch.gradient(x, spacing=0.5, edge_order=2)   # both Shard(1), 10/7
+    d = torch.diff(x, n=2, dim=1)                             # Shard(1), sizes 10/5
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = ["diff_output_sizes", "sharded_diff", "sharded_gradient"]
+
+
+def _checked_input(func: Callable, x: Any) -> ShardTensor:
+    name = describe_target(func)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
+    if any(p.is_partial() for p in x._spec.placements):
+        raise MissingShardPatch(
+            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; redistribute to Shard/Replicate first"
+        )
+    return x
+
+
+def _normalize_dim(func: Callable, dim: Any, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise MissingShardPatch(f"{describe_target(func)}: dim {dim!r} is not supported on ShardTensor (ints are)")
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"{describe_target(func)}: dim {dim} out of range for a {ndim}-d tensor")
+    return dim % max(ndim, 1)
+
+
+def _local_block(full: torch.Tensor, layouts: dict[int, DimLayout], skip: int) -> torch.Tensor:
+    """This rank's block of a replicated ``full`` tensor along every sharded dim except ``skip``."""
+    for d, layout in layouts.items():
+        if d != skip:
+            full = full.narrow(d, layout.start, layout.local_size)
+    return full
+
+
+# -- torch.gradient ------------------------------------------------------------------------
+
+
+def _gradient_halo(layout: DimLayout, coord: int, edge_order: int) -> range:
+    """Global rows coordinate ``coord`` needs: its shard, one row each side, the edge stencil at the ends."""
+    start, stop, n = layout.offsets[coord], layout.offsets[coord] + layout.sizes[coord], layout.total
+    if start == stop:
+        return range(0)
+    lo, hi = max(0, start - 1), min(n, stop + 1)
+    if start == 0:
+        hi = max(hi, min(n, edge_order + 1))
+    if stop == n:
+        lo = min(lo, max(0, n - edge_order - 1))
+    return range(lo, hi)
+
+
+def _spacing_per_dim(func: Callable, spacing: Any, dims: Sequence[int]) -> list[Any]:
+    """One spacing per differentiated dim: a number or a 1-D coordinate tensor."""
+    if spacing is None:
+        return [1.0] * len(dims)
+    if isinstance(spacing, numbers.Number):
+        return [spacing] * len(dims)
+    if isinstance(spacing, (list, tuple)):
+        items = list(spacing)
+        for item in items:
+            if isinstance(item, (ShardTensor, DTensor)):
+                raise MissingShardPatch(
+                    f"{describe_target(func)}: sharded coordinate tensors in spacing are not supported; "
+                    "pass plain 1-D coordinate tensors (identical on every rank)"
+                )
+            if isinstance(item, torch.Tensor) and item.requires_grad and torch.is_grad_enabled():
+                raise MissingShardPatch(
+                    f"{describe_target(func)}: coordinate tensors that require grad are not supported on "
+                    "ShardTensor (their gradient would be split over ranks)"
+                )
+        if len(items) == 1 and len(dims) > 1 and isinstance(items[0], numbers.Number):
+            return items * len(dims)
+        return items
+    raise MissingShardPatch(f"{describe_target(func)}: spacing of type {type(spacing).__name__} is not supported")
+
+
+def _validate_gradient(x: ShardTensor, spacing: Any, dim: Any, edge_order: int) -> None:
+    """Raise what torch would raise, on every rank and before any communication."""
+
+    def to_meta(s: Any) -> Any:
+        if isinstance(s, (list, tuple)):
+            return type(s)(to_meta(v) for v in s)
+        return s.detach().to("meta") if isinstance(s, torch.Tensor) else s
+
+    kwargs: dict[str, Any] = {"edge_order": edge_order}
+    if spacing is not None:
+        kwargs["spacing"] = to_meta(spacing)
+    if dim is not None:
+        kwargs["dim"] = dim
+    torch.gradient(torch.empty(x.shape, dtype=x.dtype, device="meta"), **kwargs)
+
+
+def sharded_gradient(func: Callable, types: tuple, args: tuple, kwargs: dict) -> tuple[ShardTensor, ...]:
+    """torch.gradient of a ShardTensor; every output keeps the input's placements and shard sizes.
+
+    Example::
+
+        patches.function(torch.gradient, sharded_gradient)
+    """
+    kwargs = dict(kwargs)
+    if len(args) != 1:
+        raise TypeError(f"{describe_target(func)}: takes the input tensor and keyword arguments only")
+    x = _checked_input(func, args[0])
+    spacing, dim, edge_order = kwargs.pop("spacing", None), kwargs.pop("dim", None), kwargs.pop("edge_order", 1)
+    if kwargs:
+        raise TypeError(f"{describe_target(func)}: unexpected arguments {sorted(kwargs)}")
+    if dim is None:
+        dims = list(range(x.ndim))
+    else:
+        dims = [_normalize_dim(func, d, x.ndim) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    per_dim = _spacing_per_dim(func, spacing, dims)
+    _validate_gradient(x, spacing, dim, edge_order)
+
+    layouts = sharded_dims(x)
+    local = x.to_local()
+    outputs = []
+    for d, step in zip(dims, per_dim):
+        layout = layouts.get(d)
+        if layout is None:
+            (grad,) = torch.gradient(local, spacing=[step], dim=d, edge_order=edge_order)
+            outputs.append(from_local_like(grad, x))
+            continue
+        rows = _gradient_halo(layout, layout.coord, edge_order)
+        padded = gather_global_indices(local, layout, lambda c, lay=layout: list(_gradient_halo(lay, c, edge_order)))
+        if layout.local_size == 0:
+            grad = padded.to(torch.result_type(local, 1.0))  # an empty block of the output dtype
+        else:
+            if isinstance(step, torch.Tensor):
+                step = step[rows.start : rows.stop]
+            (grad,) = torch.gradient(padded, spacing=[step], dim=d, edge_order=edge_order)
+            grad = grad.narrow(d, layout.start - rows.start, layout.local_size)
+        outputs.append(from_local_like(grad, x))
+    return tuple(outputs)
+
+
+# -- torch.diff ----------------------------------------------------------------------------
+
+
+def diff_output_sizes(sizes: Sequence[int], n: int, prepend_rows: int = 0, append_rows: int = 0) -> list[int]:
+    """Rows per coordinate of ``torch.diff``'s output: prepend/append join the end coordinates, the tail loses ``n``.
+
+    >>> diff_output_sizes([5, 2], 1), diff_output_sizes([5, 1], 2), diff_output_sizes([0, 3, 0], 1, 2, 1)
+    ([5, 1], [4, 0], [2, 3, 0])
+    """
+    extended = list(sizes)
+    extended[0] += prepend_rows
+    extended[-1] += append_rows
+    remove = n
+    for coord in range(len(extended) - 1, -1, -1):
+        taken = min(remove, extended[coord])
+        extended[coord] -= taken
+        remove -= taken
+    return extended
+
+
+def _extra_rows(
+    func: Callable, name: str, extra: Any, x: ShardTensor, dim: int, layouts: dict[int, DimLayout]
+) -> torch.Tensor | None:
+    """This rank's block (along the other sharded dims) of a prepend/append tensor, differentiable."""
+    if extra is None:
+        return None
+    if isinstance(extra, ShardTensor):
+        raise MissingShardPatch(
+            f"{describe_target(func)}: {name} as a ShardTensor is not supported; pass a plain tensor "
+            "(identical on every rank)"
+        )
+    if isinstance(extra, DTensor):
+        # A plain tensor that ShardTensor promoted to Replicate. Along every mesh dim that shards x,
+        # each rank uses a different part of it (or none), so its gradient is a partial sum there,
+        # which the promotion's bridge all-reduces in backward; along the other mesh dims it is replicated.
+        if not all(p.is_replicate() for p in extra.placements) or extra.device_mesh != x._spec.mesh:
+            raise MissingShardPatch(
+                f"{describe_target(func)}: {name} with placements {extra.placements} on another mesh or sharded"
+            )
+        grad_placements = [Partial() if p.is_shard() else Replicate() for p in x._spec.placements]
+        full = extra.to_local(grad_placements=grad_placements)
+    elif isinstance(extra, torch.Tensor):
+        if extra.requires_grad and torch.is_grad_enabled() and layouts:
+            raise MissingShardPatch(
+                f"{describe_target(func)}: a plain {name} that requires grad, with ShardTensor's promotion of "
+                "plain tensors disabled (its gradient would be split over ranks)"
+            )
+        full = extra
+    else:
+        raise MissingShardPatch(f"{describe_target(func)}: {name} of type {type(extra).__name__}")
+    return full
+
+
+def _validate_diff(x: ShardTensor, n: int, dim: int, prepend: Any, append: Any) -> None:
+    """Raise what torch would raise, on every rank and before any communication."""
+
+    def meta(t: Any) -> Any:
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    torch.diff(meta(x), n=n, dim=dim, prepend=meta(prepend), append=meta(append))
+
+
+def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """torch.diff of a ShardTensor; along a sharded dim the trailing ranks lose the ``n`` rows.
+
+    Example::
+
+        patches.function(torch.diff, sharded_diff)
+    """
+    names = [("n", 1), ("dim", -1), ("prepend", None), ("append", None)]
+    if not args:
+        raise TypeError(f"{describe_target(func)}: missing the input tensor")
+    if len(args) - 1 > len(names):
+        raise TypeError(f"{describe_target(func)}: too many positional arguments")
+    bound = {name: default for name, default in names}
+    bound.update(zip((nm for nm, _ in names), args[1:]))
+    bound.update(kwargs)
+    x = _checked_input(func, args[0])
+    n, dim = int(bound["n"]), _normalize_dim(func, bound["dim"], x.ndim)
+    layouts = sharded_dims(x)
+    prepend = _extra_rows(func, "prepend", bound["prepend"], x, dim, layouts)
+    append = _extra_rows(func, "append", bound["append"], x, dim, layouts)
+    _validate_diff(x, n, dim, prepend, append)
+    if prepend is not None:
+        prepend = _local_block(prepend, layouts, dim)
+    if append is not None:
+        append = _local_block(append, layouts, dim)
+
+    local = x.to_local()
+    layout = layouts.get(dim)
+    if layout is None:
+        return from_local_like(torch.diff(local, n=n, dim=dim, prepend=prepend, append=append), x)
+
+    # z = [prepend; x; append]; this rank's output rows [j0, j1) need z rows [j0, j1 + n).
+    p = 0 if prepend is None else prepend.shape[dim]
+    a = 0 if append is None else append.shape[dim]
+    out_sizes = diff_output_sizes(layout.sizes, n, p, a)
+    z_total = p + layout.total + a
+
+    def z_rows(coord: int) -> range:
+        j0 = sum(out_sizes[:coord])
+        j1 = j0 + out_sizes[coord]
+        return range(j0, min(j1 + n, z_total)) if j1 > j0 else range(0)
+
+    def x_rows(coord: int) -> list[int]:
+        rows = z_rows(coord)
+        return list(range(max(rows.start, p) - p, min(rows.stop, p + layout.total) - p))
+
+    mine = z_rows(layout.coord)
+    pieces = []
+    # prepend/append pieces are taken (possibly 0 rows) on every rank: the autograd graphs then
+    # match across ranks, so the all-reduce in the backward of their promotion runs everywhere.
+    if prepend is not None:
+        first = min(mine.start, p)
+        pieces.append(prepend.narrow(dim, first, min(mine.stop, p) - first if mine.start < p else 0))
+    pieces.append(gather_global_indices(local, layout, x_rows))
+    if append is not None:
+        end = p + layout.total
+        first = min(max(mine.start, end) - end, a)
+        pieces.append(append.narrow(dim, first, max(0, mine.stop - end - first)))
+    chunk = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+    out = torch.diff(chunk, n=n, dim=dim)
+    if n == 0:
+        out = out.clone()  # torch.diff(n=0) returns its input; the chunk may alias the local block
+    return from_local_like(out, x, sizes={dim: out_sizes})
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare torch.gradient and torch.diff handlers."""
+    patches.function(
+        torch.gradient,
+        sharded_gradient,
+        description="torch.gradient: halo of one row (edge_order+1 at the global edges) per sharded dim",
+    )
+    for target in (torch.diff, torch.Tensor.diff):
+        patches.function(
+            target,
+            sharded_diff,
+            description=f"{describe_target(target)}: halo of n rows after each shard; trailing ranks lose n rows",
+        )

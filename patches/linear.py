@@ -1,0 +1,102 @@
+"""``F.linear`` on row-sharded inputs with parameter gradients reduced and ``Replicate``.
+
+A linear layer acts on the last (feature) dimension only, so for an input
+sharded on any other dimension each rank applies the weight to its own rows and
+the output keeps the input's placements and uneven split, with no forward
+communication. PhysicsNeMo 2.2's built-in does the same forward, but when the
+parameters are distributed (``distribute_module``) it hands back weight and
+bias gradients as ``Partial`` DTensors, leaving the reduction to whoever reads
+them. Every other first-party patch (convolution, normalization) returns
+reduced ``Replicate`` gradients, which is what an optimizer step on replicated
+parameters and ``check_conformance`` expect. This override reduces them in the
+backward pass: one all-reduce of the weight (and one of the bias) gradient per
+mesh dimension that shards the input.
+
+Delegated to the built-in: calls whose input is not a ShardTensor, and inputs
+sharded on the feature dimension (a contraction over a sharded dim, which the
+built-in routes to DTensor). Refused (``MissingShardPatch``): inputs with a
+``Partial`` placement, and sharded (non-``Replicate``) weights or biases.
+
+Example (2 ranks, rows split 9/8)::
+
+    decoder = distribute_module(torch.nn.Linear(8, 3), mesh)
+    y = decoder(x_shard)             # Shard(1) like x_shard, 9/8 rows
+    y.sum().backward()               # decoder.weight.grad is Replicate and summed over both ranks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
+from torch.distributed.tensor import DTensor
+
+from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
+from physicsnemo_shardext.primitives import from_local_like, sharded_dims
+
+__all__ = ["sharded_linear"]
+
+
+def _replicated_parameter(t: Any, what: str) -> Any:
+    """A plain view of a replicated parameter (differentiably unwrapped); refuse sharded ones."""
+    if isinstance(t, (DTensor, ShardTensor)):
+        if not all(p.is_replicate() for p in t.placements):
+            raise MissingShardPatch(
+                f"torch.nn.functional.linear: {what} with placements {tuple(t.placements)} is not supported "
+                "(parameters must be Replicate)"
+            )
+        return t.full_tensor() if isinstance(t, DTensor) else t.to_local()
+    return t
+
+
+def _delegate(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    builtin = builtin_handler(F.linear)
+    if builtin is None:
+        raise MissingShardPatch("torch.nn.functional.linear: no built-in handler to delegate this call to")
+    return builtin(func, types, args, kwargs)
+
+
+def sharded_linear(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """Local ``F.linear`` on each rank's rows; weight/bias gradients all-reduced over the sharded mesh dims.
+
+    Example::
+
+        patches.function(torch.nn.functional.linear, sharded_linear, override=True)
+    """
+    names = ("input", "weight", "bias")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+    if not isinstance(x, ShardTensor):
+        return _delegate(func, types, args, kwargs)
+    if any(p.is_partial() for p in x._spec.placements):
+        raise MissingShardPatch(
+            f"torch.nn.functional.linear: input with a Partial placement {tuple(x._spec.placements)}"
+        )
+    if (x.ndim - 1) in sharded_dims(x):
+        return _delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
+    weight = GradReducer.apply(_replicated_parameter(weight, "weight"), x._spec)
+    if bias is not None:
+        bias = GradReducer.apply(_replicated_parameter(bias, "bias"), x._spec)
+    return from_local_like(F.linear(x.to_local(), weight, bias), x)
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals (and its GradReducer)."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Override the built-in ``F.linear`` handler (it delegates back for what it does not change)."""
+    patches.function(
+        F.linear,
+        sharded_linear,
+        override=True,
+        description="F.linear on row shards; weight/bias gradients reduced to Replicate",
+    )

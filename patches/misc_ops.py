@@ -1,0 +1,207 @@
+"""Layout ops and PReLU on uneven shards: permute, transpose, contiguous/clone, cat, prelu.
+
+PhysicsNeMo has no patch for these, so on a ShardTensor they take the DTensor
+fallback, which re-derives the output's shard sizes by *even chunking*
+whenever the output's shape, stride or placements differ from the input's.
+On uneven shards that fails (``expected local shape ... does not match``):
+a transpose or permute that renumbers the sharded dim, ``.contiguous()`` of a
+permuted tensor, a ``torch.cat`` of sharded feature maps along channels. And
+DTensor has no sharding rule for ``aten._prelu_kernel_backward``. PhysicsNeMo's
+own models hit all of them (UNet's attention gates and skip connections,
+SRResNet's ``PixelShuffle3d`` and ``PReLU``).
+
+Every op here is local, with no communication in the forward pass:
+
+* ``permute`` / ``transpose``: the local block is permuted; each ``Shard(d)``
+  follows its dimension to its new index, with the same per-rank row counts;
+* ``contiguous`` / ``clone``: same placements and row counts;
+* ``cat`` along a dimension that is not sharded: the inputs must share mesh,
+  placements and row counts on every sharded dim (then the local blocks line
+  up row for row);
+* ``prelu``: elementwise on the local block; the (replicated) weight's gradient
+  is the sum over all shards, so it is all-reduced over the mesh dims that
+  shard the input, in the backward pass only.
+
+Refused (``MissingShardPatch``): ``Partial`` inputs (prelu, cat), ``cat`` along a
+sharded dim or of tensors sharded differently (or mixing plain and sharded
+tensors), a sharded prelu weight.
+
+Example (2 ranks, x of shape (1, 4, 7, 3) split 5 + 2 on dim 2)::
+
+    y = x.permute(0, 2, 1, 3)          # Shard(1), rows (5, 2)
+    z = torch.cat([x, 2 * x], dim=1)   # Shard(2), rows (5, 2), 8 channels
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives.layout import build_shard_tensor, from_local_like, sharded_dims
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = ["cat_local", "clone_local", "permute_local", "prelu_local", "transpose_local"]
+
+
+def _moved(x: ShardTensor, local: torch.Tensor, order: Sequence[int]) -> ShardTensor:
+    """Wrap ``local`` (``x``'s block with dims reordered: new dim i is old dim ``order[i]``)."""
+    new_index = {old: new for new, old in enumerate(order)}
+    placements = [Shard(new_index[p.dim % x.ndim]) if isinstance(p, Shard) else p for p in x._spec.placements]
+    sizes = {new_index[d]: layout.sizes for d, layout in sharded_dims(x).items()}
+    return build_shard_tensor(local, x._spec.mesh, placements, sizes)
+
+
+def permute_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``x.permute(*dims)`` / ``torch.permute(x, dims)`` on the local block; shards follow their dims.
+
+    Example::
+
+        patches.function(torch.Tensor.permute, permute_local)
+    """
+    x, *rest = args
+    dims = kwargs.get("dims", rest[0] if len(rest) == 1 else rest)
+    if isinstance(dims, int):
+        dims = [dims]
+    order = [int(d) % x.ndim for d in dims]
+    return _moved(x, x.to_local().permute(order), order)
+
+
+def transpose_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``x.transpose(d0, d1)`` / ``torch.transpose(x, d0, d1)`` on the local block.
+
+    Example::
+
+        patches.function(torch.transpose, transpose_local)
+    """
+    x, *rest = args
+    d0 = kwargs.get("dim0", rest[0] if rest else None)
+    d1 = kwargs.get("dim1", rest[1] if len(rest) > 1 else None)
+    d0, d1 = int(d0) % x.ndim, int(d1) % x.ndim
+    order = list(range(x.ndim))
+    order[d0], order[d1] = d1, d0
+    return _moved(x, x.to_local().transpose(d0, d1), order)
+
+
+def clone_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``x.contiguous()`` / ``x.clone()`` on the local block; placements and row counts unchanged.
+
+    Example::
+
+        patches.function(torch.Tensor.contiguous, clone_local)
+    """
+    x, *rest = args
+    return from_local_like(func(x.to_local(), *rest, **kwargs), x)
+
+
+def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
+    return {d: layout.sizes for d, layout in sharded_dims(x).items()}
+
+
+def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``torch.cat(tensors, dim)`` of identically sharded tensors along a dimension that is not sharded.
+
+    Example::
+
+        patches.function(torch.cat, cat_local)
+    """
+    tensors = list(kwargs.get("tensors", args[0] if args else ()))
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    name = describe_target(func)
+    if not tensors or not all(isinstance(t, ShardTensor) for t in tensors):
+        raise MissingShardPatch(f"{name}: every input must be a ShardTensor (got {[type(t).__name__ for t in tensors]})")
+    first = tensors[0]
+    dim = int(dim) % first.ndim
+    placements = tuple(first._spec.placements)
+    if any(p.is_partial() for p in placements):
+        raise MissingShardPatch(f"{name}: inputs with a Partial placement {placements}")
+    if any(isinstance(p, Shard) and p.dim % first.ndim == dim for p in placements):
+        raise MissingShardPatch(f"{name}: concatenation along sharded dim {dim} (placements {placements})")
+    rows = _row_counts(first)
+    for t in tensors[1:]:
+        if t._spec.mesh != first._spec.mesh or tuple(t._spec.placements) != placements or _row_counts(t) != rows:
+            raise MissingShardPatch(
+                f"{name}: inputs sharded differently ({tuple(t._spec.placements)} rows {_row_counts(t)} vs "
+                f"{placements} rows {rows}); concatenation needs identical shards"
+            )
+    local = torch.cat([t.to_local() for t in tensors], dim=dim)
+    return from_local_like(local, first)
+
+
+class _SumGradOverMeshDims(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over the given mesh dims."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous().clone()
+        for mesh_dim in ctx.mesh_dims:
+            dist.all_reduce(grad, group=ctx.mesh.get_group(mesh_dim))
+        return grad, None, None
+
+
+def _replicated_value(weight: torch.Tensor, name: str) -> torch.Tensor:
+    if isinstance(weight, (ShardTensor, DTensor)):
+        placements: Sequence[Placement] = weight.placements
+        if not all(p.is_replicate() for p in placements):
+            raise MissingShardPatch(f"{name}: weight must be replicated, got placements {tuple(placements)}")
+        return weight.to_local()
+    return weight
+
+
+def prelu_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``F.prelu(x, weight)`` on the local block; the weight gradient is summed over the shards.
+
+    Example::
+
+        patches.function(torch.nn.functional.prelu, prelu_local)
+    """
+    x = kwargs.get("input", args[0] if args else None)
+    weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+    name = describe_target(func)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{name}: the input must be the ShardTensor (weight {type(weight).__name__})")
+    placements = tuple(x._spec.placements)
+    if any(p.is_partial() for p in placements):
+        raise MissingShardPatch(f"{name}: input has a Partial placement {placements}")
+    w = _replicated_value(weight, name)
+    shard_mesh_dims = tuple(i for i, p in enumerate(placements) if isinstance(p, Shard))
+    w = _SumGradOverMeshDims.apply(w, x._spec.mesh, shard_mesh_dims)
+    return from_local_like(F.prelu(x.to_local(), w), x)
+
+
+_TARGETS: tuple[tuple[Any, Any, str], ...] = (
+    (torch.Tensor.permute, permute_local, "permute the local block; Shard dims follow (no communication)"),
+    (torch.permute, permute_local, "permute the local block; Shard dims follow (no communication)"),
+    (torch.Tensor.transpose, transpose_local, "transpose the local block; Shard dims follow (no communication)"),
+    (torch.transpose, transpose_local, "transpose the local block; Shard dims follow (no communication)"),
+    (torch.Tensor.contiguous, clone_local, "contiguous local block, same shards (no communication)"),
+    (torch.Tensor.clone, clone_local, "clone of the local block, same shards (no communication)"),
+    (torch.clone, clone_local, "clone of the local block, same shards (no communication)"),
+    (torch.cat, cat_local, "cat of identically sharded tensors along an unsharded dim (no communication)"),
+    (F.prelu, prelu_local, "prelu on the local block; weight gradient all-reduced over the shards"),
+)
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor spec API."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare the local layout handlers and prelu."""
+    for target, handler, description in _TARGETS:
+        patches.function(target, handler, description=description)

@@ -1,0 +1,210 @@
+"""F.pad on sharded dims: circular (periodic), reflect, replicate and constant padding.
+
+PhysicsNeMo 2.2.2 pads a sharded dim only on the ranks at the global boundary,
+using their *local* rows. That is right for ``"constant"`` but refuses
+``"circular"``, and for ``"reflect"``/``"replicate"`` it silently uses the wrong
+rows when a boundary shard is smaller than the pad (or empty). Here every
+non-constant mode is one row exchange per padded sharded dim: output row ``j``
+of the global result is a copy of global input row ``src(j - left)``, where
+
+* circular:  ``src(q) = q mod N`` (periodic boundaries, e.g. longitude);
+* reflect:   ``src(q) = -q`` below 0, ``2(N-1) - q`` above ``N-1``;
+* replicate: ``src(q) = clamp(q, 0, N-1)``;
+
+and :func:`~physicsnemo_shardext.primitives.gather_global_indices` brings each
+rank exactly the rows it lacks (pads wider than a tiny neighbour shard work:
+rows come from whichever rank owns them). Pads on several sharded dims (2-D
+mesh) are applied one dim after the other; these modes are separable, so the
+corners match a single global ``F.pad``.
+
+Output layout: the first coordinate along a padded sharded dim grows by
+``left`` rows and the last by ``right`` (uneven results are expected); unsharded
+dims are padded locally. Complex tensors are exchanged as their real view.
+
+Constant mode needs no communication. With non-negative pads it is delegated
+to PhysicsNeMo's built-in (correct for that case); negative constant pads
+(cropping) on sharded dims are handled here: each rank keeps the part of its
+rows that survives the crop, so a crop wider than a boundary shard is fine.
+
+Refused (``MissingShardPatch``): ``Partial`` inputs; negative pads along a
+sharded dim with a non-constant mode. Invalid pads (reflect ``>= N``, circular
+``> N``, wrong pad length for the mode) raise torch's own error, checked on the
+global shape.
+
+Example (2 ranks, longitude sharded 10/7)::
+
+    y = F.pad(x, (2, 2, 0, 0), mode="circular")   # global width 21, shards 12/9
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+
+from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+
+__all__ = ["pad_source_rows", "sharded_pad"]
+
+_EXCHANGE_MODES = ("circular", "reflect", "replicate")
+
+
+def pad_source_rows(mode: str, total: int, left: int, out_rows: Sequence[int]) -> list[int]:
+    """Global input row that each global output row of a padded dim copies.
+
+    >>> pad_source_rows("circular", 5, 2, range(9))
+    [3, 4, 0, 1, 2, 3, 4, 0, 1]
+    >>> pad_source_rows("reflect", 5, 2, range(9))
+    [2, 1, 0, 1, 2, 3, 4, 3, 2]
+    >>> pad_source_rows("replicate", 5, 2, range(9))
+    [0, 0, 0, 1, 2, 3, 4, 4, 4]
+    """
+    sources = []
+    for j in out_rows:
+        q = j - left
+        if mode == "circular":
+            sources.append(q % total)
+        elif mode == "reflect":
+            sources.append(-q if q < 0 else (2 * (total - 1) - q if q >= total else q))
+        elif mode == "replicate":
+            sources.append(min(max(q, 0), total - 1))
+        else:
+            raise ValueError(f"no row mapping for padding mode {mode!r}")
+    return sources
+
+
+def _parse(input: Any, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> tuple:
+    return input, tuple(int(p) for p in pad), mode, value
+
+
+def _pads_by_dim(pad: Sequence[int], ndim: int) -> dict[int, tuple[int, int]]:
+    """F.pad's flat (last dim first) pad tuple as {tensor dim: (left, right)}."""
+    return {ndim - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
+
+
+def _flat_pad(pads: dict[int, tuple[int, int]], ndim: int, count: int) -> tuple[int, ...]:
+    """Inverse of :func:`_pads_by_dim` for ``count`` trailing dims."""
+    flat: list[int] = []
+    for i in range(count):
+        flat.extend(pads.get(ndim - 1 - i, (0, 0)))
+    return tuple(flat)
+
+
+def _keep_graph(empty: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """An empty result still tied to ``source`` in autograd, so its backward (and collectives) run."""
+    return empty + source.sum() * 0
+
+
+def _exchange_pad(
+    local: torch.Tensor, layout: DimLayout, mode: str, left: int, right: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Pad one sharded dim by fetching the source rows of this rank's output rows; returns (local, sizes)."""
+    sizes = list(layout.sizes)
+    sizes[0] += left
+    sizes[-1] += right
+    starts = [sum(sizes[:c]) for c in range(layout.parts)]
+
+    def wanted_by(coord: int) -> list[int]:
+        return pad_source_rows(mode, layout.total, left, range(starts[coord], starts[coord] + sizes[coord]))
+
+    if local.is_complex():  # the exchange moves real data: complex travels as (..., 2) reals
+        real = gather_global_indices(torch.view_as_real(local), layout, wanted_by)
+        return torch.view_as_complex(real.contiguous()), sizes
+    return gather_global_indices(local, layout, wanted_by), sizes
+
+
+def _constant_crop_pad(
+    local: torch.Tensor, layout: DimLayout, left: int, right: int, value: float
+) -> tuple[torch.Tensor, list[int]]:
+    """Constant pad with negative parts along a sharded dim: crop the surviving rows, pad the ends. Local."""
+    keep_lo, keep_hi = max(0, -left), layout.total - max(0, -right)  # global input rows that survive
+    new_sizes = []
+    for c in range(layout.parts):
+        lo, hi = layout.offsets[c], layout.offsets[c] + layout.sizes[c]
+        rows = max(0, min(hi, keep_hi) - max(lo, keep_lo))
+        rows += (max(left, 0) if c == 0 else 0) + (max(right, 0) if c == layout.parts - 1 else 0)
+        new_sizes.append(rows)
+    lo = min(max(layout.start, keep_lo), layout.stop)
+    hi = max(lo, min(layout.stop, keep_hi))
+    kept = local.narrow(layout.tensor_dim, lo - layout.start, hi - lo)
+    before = max(left, 0) if layout.coord == 0 else 0
+    after = max(right, 0) if layout.coord == layout.parts - 1 else 0
+    count = local.ndim - layout.tensor_dim
+    padded = F.pad(kept, _flat_pad({layout.tensor_dim: (before, after)}, local.ndim, count), "constant", value)
+    return padded, new_sizes
+
+
+def sharded_pad(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """F.pad for ShardTensors (see the module docstring for modes, layout and refusals).
+
+    Example::
+
+        patches.function(torch.nn.functional.pad, sharded_pad, override=True)
+    """
+    x, pad, mode, value = _parse(*args, **kwargs)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch("torch.nn.functional.pad: the sharded tensor must be the input argument")
+    placements = tuple(x._spec.placements)
+    if any(p.is_partial() for p in placements):
+        raise MissingShardPatch(
+            f"torch.nn.functional.pad: input has a Partial placement {placements}; padding a partial sum "
+            "would add the pad value once per rank (redistribute to Shard/Replicate first)"
+        )
+    # torch's own validation (pad length vs mode and ndim, reflect < N, circular <= N) on the global shape.
+    torch.nn.functional.pad(torch.empty(x.shape, device="meta", dtype=x.dtype), pad, mode, value)
+
+    pads = _pads_by_dim(pad, x.ndim)
+    layouts = sharded_dims(x)
+    on_sharded = {d: lr for d, lr in pads.items() if d in layouts and lr != (0, 0)}
+    if mode == "constant" and layouts and all(min(lr) >= 0 for lr in on_sharded.values()):
+        builtin = builtin_handler(torch.nn.functional.pad)
+        if builtin is not None:
+            return builtin(func, types, args, kwargs)
+    if mode != "constant" and any(min(lr) < 0 for lr in on_sharded.values()):
+        raise MissingShardPatch(
+            f"torch.nn.functional.pad: negative pads (cropping) {pad} along a sharded dim with mode={mode!r} "
+            "are not supported (cropping is supported with mode='constant')"
+        )
+
+    local = x.to_local()
+    count = len(pad) // 2
+    new_sizes: dict[int, list[int]] = {}
+    for dim, (left, right) in on_sharded.items():
+        if mode == "constant":
+            fill = 0.0 if value is None else value
+            local, new_sizes[dim] = _constant_crop_pad(local, layouts[dim], left, right, fill)
+        else:
+            local, new_sizes[dim] = _exchange_pad(local, layouts[dim], mode, left, right)
+    unsharded = {d: lr for d, lr in pads.items() if d not in layouts}
+    if any(lr != (0, 0) for lr in unsharded.values()):
+        flat = _flat_pad(unsharded, x.ndim, count)
+        if local.numel() == 0 and mode in ("reflect", "replicate"):
+            # torch refuses these modes on empty tensors; an empty shard's padded result is still empty.
+            shape = list(local.shape)
+            for d, (left, right) in unsharded.items():
+                shape[d] += left + right
+            local = _keep_graph(local.new_zeros(shape), local)
+        else:
+            local = F.pad(local, flat, mode, value)
+    return from_local_like(local, x, sizes=new_sizes)
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Replace PhysicsNeMo's F.pad patch (which refuses circular and mis-pads tiny boundary shards)."""
+    patches.function(
+        torch.nn.functional.pad,
+        sharded_pad,
+        override=True,
+        description="F.pad on sharded dims: circular/reflect/replicate via a row exchange; constant local",
+    )

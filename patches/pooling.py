@@ -1,0 +1,553 @@
+"""Max/avg pooling (any kernel, stride, padding, dilation, ceil_mode) and adaptive pooling on uneven shards.
+
+PhysicsNeMo 2.2's pooling patches only cover ``stride == kernel_size`` with every
+local size divisible by the stride: an odd local size raises
+``UndeterminedShardingError``, other strides are refused, and adaptive pooling
+takes the DTensor fallback (whose backward is broken on torch 2.14).
+
+Here every output row along a sharded spatial dimension is computed by the rank
+that owns the *start* of its window (window starts left of the tensor count as
+row 0). That rank fetches the few rows its last windows reach past its shard
+(:func:`~physicsnemo_shardext.primitives.gather_global_indices`, only the
+overlap moves), pads the global boundary itself and runs the local op with no
+padding. Output shards are therefore as uneven as the windows fall out:
+coordinate ``c`` holds the output rows whose window starts in its input rows.
+
+Adaptive pooling with output size 1 along a sharded dimension (global pooling)
+reduces locally and all-reduces the per-channel result (O(channels) bytes); that
+mesh dimension becomes ``Replicate`` in the output. Other adaptive output sizes use
+the adaptive windows ``[floor(i*L/out), ceil((i+1)*L/out))`` with the owner rule above.
+
+Max-pool indices (``return_indices=True``) are *global* flat indices over the
+input's spatial dims, as in a single-process run; ties resolve to the first
+element in row-major order, as in PyTorch.
+
+Refused (``MissingShardPatch``): ``Partial`` inputs; a spatial dim sharded over
+two mesh dims. Limitation: NaNs in a global (output size 1) adaptive max over a
+sharded dim are not propagated like PyTorch does (see docs/patches/pooling.md).
+
+Example (2 ranks, height 17 split 10/7)::
+
+    y = torch.nn.functional.max_pool2d(x, 3, stride=2, padding=1)   # 9 rows split 6/3 (windows start at -1,1..9 / 11,13,15)
+    g = torch.nn.functional.adaptive_avg_pool2d(x, 1)               # Replicate on the mesh, shape (N, C, 1, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Replicate
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = [
+    "adaptive_pool_handler",
+    "bind_arguments",
+    "connected_zeros",
+    "pool_handler",
+    "split_rows_by_owner",
+]
+
+_INDEX_NONE = torch.iinfo(torch.int64).max  # "no candidate" in the global max tie-break
+
+
+# -- helpers shared with the resampling family ----------------------------------------------------
+def bind_arguments(name: str, signature: Sequence[tuple[str, Any]], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Map positional/keyword arguments onto ``signature`` (ordered ``(name, default)`` pairs).
+
+    >>> bind_arguments("f", [("input", None), ("k", None), ("s", 1)], (1, 2), {"s": 3})
+    {'input': 1, 'k': 2, 's': 3}
+    """
+    values = dict(signature)
+    if len(args) > len(values):
+        raise TypeError(f"{name}() takes {len(values)} positional arguments but {len(args)} were given")
+    for key, value in zip(values, args):
+        values[key] = value
+    for key, value in kwargs.items():
+        if key not in values:
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+        values[key] = value
+    return values
+
+
+def split_rows_by_owner(layout: DimLayout, anchors: Sequence[int]) -> list[tuple[int, int]]:
+    """Output rows per coordinate: row ``j`` goes to the owner of input row ``anchors[j]`` (non-decreasing).
+
+    >>> split_rows_by_owner(DimLayout(0, 0, (3, 0, 2), 0, None), [0, 2, 2, 4])
+    [(0, 3), (3, 3), (3, 4)]
+    """
+    counts = [0] * layout.parts
+    for anchor in anchors:
+        counts[layout.owner_of(anchor)] += 1
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def connected_zeros(source: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Zeros of ``shape`` that stay in ``source``'s autograd graph.
+
+    A rank whose share of the output is empty must still reach the exchanges of
+    the backward pass (they are collectives), so its empty output hangs off the input.
+    """
+    return source.reshape(-1)[:0].sum() + source.new_zeros(tuple(shape))
+
+
+def refuse_partial(x: ShardTensor, op: str) -> None:
+    """Raise ``MissingShardPatch`` for inputs with a ``Partial`` placement."""
+    if any(p.is_partial() for p in x._spec.placements):
+        raise MissingShardPatch(f"{op}: input has a Partial placement {tuple(x._spec.placements)}; redistribute first")
+
+
+def _tuple(value: Any, n: int, what: str, op: str) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * n
+    value = tuple(value)
+    if len(value) == 1:
+        return value * n
+    if len(value) != n:
+        raise ValueError(f"{op}: {what} must have {n} elements, got {value}")
+    return value
+
+
+def _pool_output_length(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """PyTorch's pooling_output_shape."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+# -- windows along one spatial dimension ----------------------------------------------------------
+@dataclass(frozen=True)
+class _Axis:
+    """This rank's share of one spatial dim: output rows [j0, j1) and the input rows [lo, hi) they read."""
+
+    dim: int
+    layout: DimLayout | None
+    out_sizes: tuple[int, ...] | None  # per coordinate, sharded dims only
+    j0: int
+    j1: int
+    lo: int
+    hi: int
+
+    @property
+    def out_local(self) -> int:
+        return self.j1 - self.j0
+
+
+def _fetch(local: torch.Tensor, axes: Sequence[_Axis], windows: Callable[[_Axis, int], tuple[int, int]]) -> torch.Tensor:
+    """Input rows [lo, hi) of every axis: exchanged along sharded dims, sliced along the others."""
+    for axis in axes:
+        if axis.layout is None:
+            local = local.narrow(axis.dim, axis.lo, axis.hi - axis.lo)
+        else:
+            # Every rank along the mesh dim calls this (an empty window included): it is a collective.
+            local = gather_global_indices(
+                local, axis.layout, lambda c, a=axis: list(range(*windows(a, c)))
+            )
+    return local
+
+
+# -- max / avg pooling ------------------------------------------------------------------------------
+_MAX_SIGNATURE = [
+    ("input", None), ("kernel_size", None), ("stride", None), ("padding", 0), ("dilation", 1),
+    ("ceil_mode", False), ("return_indices", False),
+]
+_AVG1D_SIGNATURE = [
+    ("input", None), ("kernel_size", None), ("stride", None), ("padding", 0), ("ceil_mode", False),
+    ("count_include_pad", True),
+]
+_AVG_SIGNATURE = _AVG1D_SIGNATURE + [("divisor_override", None)]
+
+_MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3}
+_MAX_POOLS_WITH_INDICES = {F.max_pool1d_with_indices: 1, F.max_pool2d_with_indices: 2, F.max_pool3d_with_indices: 3}
+_AVG_POOLS = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
+_LOCAL_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+@dataclass(frozen=True)
+class _PoolConfig:
+    n: int
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    ceil_mode: bool
+
+
+def _sum_pool(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """Window sums with no padding (avg pooling with divisor 1; 1-D goes through 2-D)."""
+    n = len(kernel)
+    if n == 1:
+        return F.avg_pool2d(x.unsqueeze(-2), (1, kernel[0]), (1, stride[0]), divisor_override=1).squeeze(-2)
+    pool = F.avg_pool2d if n == 2 else F.avg_pool3d
+    return pool(x, tuple(kernel), tuple(stride), divisor_override=1)
+
+
+def _global_flat_index(
+    local_index: torch.Tensor, block_shape: Sequence[int], to_global: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    global_shape: Sequence[int],
+) -> torch.Tensor:
+    """Turn flat indices into a local block of spatial shape ``block_shape`` into global flat indices."""
+    flat = torch.zeros_like(local_index)
+    remaining = local_index
+    coords = []
+    for size in reversed(block_shape):
+        coords.append(remaining % size)
+        remaining = remaining // size
+    for coord, convert, size in zip(reversed(coords), to_global, global_shape):
+        flat = flat * size + convert(coord)
+    return flat
+
+
+def _can_delegate(x: ShardTensor, cfg: _PoolConfig, spatial: dict[int, DimLayout], return_indices: bool) -> bool:
+    """PhysicsNeMo's built-in is right for disjoint windows tiling every shard exactly."""
+    if return_indices or x.ndim != cfg.n + 2 or cfg.kernel != cfg.stride:
+        return False
+    if any(p != 0 for p in cfg.padding) or any(d != 1 for d in cfg.dilation):
+        return False
+    return all(
+        size % cfg.stride[d - (x.ndim - cfg.n)] == 0 for d, layout in spatial.items() for size in layout.sizes
+    )
+
+
+def pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """Max/avg pooling (1-3 d) of a ShardTensor with any kernel/stride/padding on uneven shards.
+
+    Example::
+
+        patches.function(torch.nn.functional.max_pool2d, pool_handler, override=True)
+    """
+    op = describe_target(func)
+    is_max = func in _MAX_POOLS or func in _MAX_POOLS_WITH_INDICES
+    n = {**_MAX_POOLS, **_MAX_POOLS_WITH_INDICES, **_AVG_POOLS}[func]
+    signature = _MAX_SIGNATURE if is_max else (_AVG1D_SIGNATURE if n == 1 else _AVG_SIGNATURE)
+    a = bind_arguments(op, signature, args, kwargs)
+    x = a["input"]
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{op}: the sharded tensor must be the input")
+    refuse_partial(x, op)
+    return_indices = is_max and (func in _MAX_POOLS_WITH_INDICES or bool(a["return_indices"]))
+    stride = a["stride"]
+    if stride is None or (not isinstance(stride, int) and len(stride) == 0):
+        stride = a["kernel_size"]
+    cfg = _PoolConfig(
+        n=n,
+        kernel=_tuple(a["kernel_size"], n, "kernel_size", op),
+        stride=_tuple(stride, n, "stride", op),
+        padding=_tuple(a["padding"], n, "padding", op),
+        dilation=_tuple(a["dilation"], n, "dilation", op) if is_max else (1,) * n,
+        ceil_mode=bool(a["ceil_mode"]),
+    )
+    # Let PyTorch validate the arguments (and give the global output shape) on a meta tensor.
+    meta_kwargs = {k: v for k, v in a.items() if k != "input" and v is not None}
+    meta_out = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs)
+    global_out_shape = (meta_out[0] if isinstance(meta_out, tuple) else meta_out).shape
+
+    first = x.ndim - n
+    spatial = {d: l for d, l in sharded_dims(x).items() if d >= first}
+    if _can_delegate(x, cfg, spatial, return_indices):
+        return physicsnemo_shardext.builtin_handler(func)(func, types, args, kwargs)
+
+    def window(axis_index: int, j0: int, j1: int) -> tuple[int, int, int, int]:
+        """(lo, hi, pad_before, pad_after) of the input rows read by output rows [j0, j1)."""
+        size = x.shape[first + axis_index]
+        k, s, p, dil = cfg.kernel[axis_index], cfg.stride[axis_index], cfg.padding[axis_index], cfg.dilation[axis_index]
+        if j1 <= j0:
+            return 0, 0, 0, 0
+        begin, end = j0 * s - p, (j1 - 1) * s - p + dil * (k - 1) + 1
+        lo, hi = max(begin, 0), min(end, size)
+        return lo, hi, lo - begin, end - hi
+
+    axes: list[_Axis] = []
+    ranges_by_dim: dict[int, list[tuple[int, int]]] = {}
+    for i in range(n):
+        d = first + i
+        out = global_out_shape[d]
+        layout = spatial.get(d)
+        if layout is None:
+            j0, j1, out_sizes = 0, out, None
+        else:
+            anchors = [max(j * cfg.stride[i] - cfg.padding[i], 0) for j in range(out)]
+            ranges_by_dim[d] = split_rows_by_owner(layout, anchors)
+            j0, j1 = ranges_by_dim[d][layout.coord]
+            out_sizes = tuple(b - a_ for a_, b in ranges_by_dim[d])
+        lo, hi, _, _ = window(i, j0, j1)
+        axes.append(_Axis(d, layout, out_sizes, j0, j1, lo, hi))
+
+    def rows_wanted(axis: _Axis, coord: int) -> tuple[int, int]:
+        lo, hi, _, _ = window(axis.dim - first, *ranges_by_dim[axis.dim][coord])
+        return lo, hi
+
+    win = _fetch(x.to_local(), axes, rows_wanted)
+    out_shape = tuple(win.shape[:first]) + tuple(ax.out_local for ax in axes)
+    pads = [window(i, ax.j0, ax.j1)[2:] for i, ax in enumerate(axes)]
+
+    if win.numel() == 0 or any(ax.out_local == 0 for ax in axes):
+        values = connected_zeros(win, out_shape)
+        indices = torch.zeros(out_shape, dtype=torch.int64, device=win.device)
+    else:
+        flat_pads = [v for before, after in reversed(pads) for v in (before, after)]
+        fill = float("-inf") if is_max else 0.0
+        padded = F.pad(win, flat_pads, value=fill) if any(flat_pads) else win
+        if is_max:
+            values, local_idx = _LOCAL_MAX[n](padded, cfg.kernel, cfg.stride, 0, cfg.dilation, False, return_indices=True)
+            if return_indices:
+                # Padded-window coordinate -> global input coordinate, per spatial dim.
+                shifts = [ax.lo - before for ax, (before, _) in zip(axes, pads)]
+                indices = _global_flat_index(
+                    local_idx, padded.shape[first:], [lambda c, s=s: c + s for s in shifts], x.shape[first:]
+                )
+        else:
+            values = _sum_pool(padded, cfg.kernel, cfg.stride) / _avg_divisor(x, cfg, axes, a, win)
+    sizes = {ax.dim: ax.out_sizes for ax in axes if ax.out_sizes is not None}
+    result = from_local_like(values, x, sizes=sizes)
+    if return_indices:
+        return result, from_local_like(indices, x, sizes=sizes)
+    return result
+
+
+def _avg_divisor(x: ShardTensor, cfg: _PoolConfig, axes: Sequence[_Axis], a: dict, like: torch.Tensor) -> Any:
+    """PyTorch's avg-pool divisor for this rank's output rows: a product of per-dim window counts."""
+    if a.get("divisor_override"):
+        return float(a["divisor_override"])
+    first = x.ndim - cfg.n
+    divisor = None
+    for i, ax in enumerate(axes):
+        size, k, s, p = x.shape[ax.dim], cfg.kernel[i], cfg.stride[i], cfg.padding[i]
+        counts = []
+        for j in range(ax.j0, ax.j1):
+            start = j * s - p
+            if a["count_include_pad"]:
+                counts.append(min(start + k, size + p) - start)
+            else:
+                counts.append(min(start + k, size) - max(start, 0))
+        shape = [1] * (x.ndim - first)
+        shape[i] = len(counts)
+        vector = torch.tensor(counts, dtype=like.dtype, device=like.device).reshape(shape)
+        divisor = vector if divisor is None else divisor * vector
+    return divisor
+
+
+# -- adaptive pooling --------------------------------------------------------------------------------
+_ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+_ADAPTIVE_MAX = {F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3}
+_ADAPTIVE_MAX_WITH_INDICES = {
+    F.adaptive_max_pool1d_with_indices: 1,
+    F.adaptive_max_pool2d_with_indices: 2,
+    F.adaptive_max_pool3d_with_indices: 3,
+}
+
+
+def _adaptive_start(i: int, size: int, out: int) -> int:
+    return (i * size) // out
+
+
+def _adaptive_end(i: int, size: int, out: int) -> int:
+    return -((-(i + 1) * size) // out)
+
+
+class _SumToReplicate(torch.autograd.Function):
+    """All-reduce SUM whose result is Replicate: each addend's gradient is the (replicated) cotangent."""
+
+    @staticmethod
+    def forward(ctx: Any, addend: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = addend.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@dataclass(frozen=True)
+class _AdaptiveAxis:
+    """One spatial dim of an adaptive pool on this rank."""
+
+    axis: _Axis
+    out: int  # global output size
+    is_global: bool  # sharded with output size 1: reduce locally, then all-reduce
+
+
+def adaptive_pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """Adaptive avg/max pooling (1-3 d) of a ShardTensor on uneven shards.
+
+    Example::
+
+        patches.function(torch.nn.functional.adaptive_avg_pool2d, adaptive_pool_handler)
+    """
+    op = describe_target(func)
+    is_max = func in _ADAPTIVE_MAX or func in _ADAPTIVE_MAX_WITH_INDICES
+    n = {**_ADAPTIVE_AVG, **_ADAPTIVE_MAX, **_ADAPTIVE_MAX_WITH_INDICES}[func]
+    signature = [("input", None), ("output_size", None)] + ([("return_indices", False)] if is_max else [])
+    a = bind_arguments(op, signature, args, kwargs)
+    x = a["input"]
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{op}: the sharded tensor must be the input")
+    refuse_partial(x, op)
+    return_indices = is_max and (func in _ADAPTIVE_MAX_WITH_INDICES or bool(a["return_indices"]))
+    meta_kwargs = {k: v for k, v in a.items() if k != "input"}
+    meta_out = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs)
+    global_out_shape = (meta_out[0] if isinstance(meta_out, tuple) else meta_out).shape
+
+    first = x.ndim - n
+    spatial = {d: l for d, l in sharded_dims(x).items() if d >= first}
+    ranges_by_dim: dict[int, list[tuple[int, int]]] = {}
+    dims: list[_AdaptiveAxis] = []
+    for i in range(n):
+        d = first + i
+        size, out = x.shape[d], global_out_shape[d]
+        layout = spatial.get(d)
+        if layout is not None and out == 1 and layout.parts > 1:
+            axis = _Axis(d, None, None, 0, 1, 0, layout.local_size)  # own rows only, no exchange
+            dims.append(_AdaptiveAxis(axis, out, True))
+            continue
+        if layout is None:
+            j0, j1, out_sizes = 0, out, None
+        else:
+            ranges_by_dim[d] = split_rows_by_owner(layout, [_adaptive_start(j, size, out) for j in range(out)])
+            j0, j1 = ranges_by_dim[d][layout.coord]
+            out_sizes = tuple(b - a_ for a_, b in ranges_by_dim[d])
+        lo, hi = (_adaptive_start(j0, size, out), _adaptive_end(j1 - 1, size, out)) if j1 > j0 else (0, 0)
+        dims.append(_AdaptiveAxis(_Axis(d, layout, out_sizes, j0, j1, lo, hi), out, False))
+
+    def rows_wanted(axis: _Axis, coord: int) -> tuple[int, int]:
+        j0, j1 = ranges_by_dim[axis.dim][coord]
+        size, out = x.shape[axis.dim], global_out_shape[axis.dim]
+        return (_adaptive_start(j0, size, out), _adaptive_end(j1 - 1, size, out)) if j1 > j0 else (0, 0)
+
+    win = _fetch(x.to_local(), [ad.axis for ad in dims], rows_wanted)
+
+    # Lay every output row's window out as one block of equal length M (short windows are
+    # filled with a sentinel row appended at the end), so that one local pool with
+    # kernel = stride = M computes them all with PyTorch's own reduction order and tie rule.
+    fill = float("-inf") if is_max else 0.0
+    blocks, block_len, block_rows = win, [], []
+    for i, ad in enumerate(dims):
+        d, size, ax = ad.axis.dim, x.shape[ad.axis.dim], ad.axis
+        if ad.is_global:
+            rows = [list(range(win.shape[d]))]
+            starts = [spatial[d].start]
+        else:
+            rows = [
+                list(range(_adaptive_start(j, size, ad.out) - ax.lo, _adaptive_end(j, size, ad.out) - ax.lo))
+                for j in range(ax.j0, ax.j1)
+            ]
+            starts = [_adaptive_start(j, size, ad.out) for j in range(ax.j0, ax.j1)]
+        length = max([len(r) for r in rows] + [1])
+        sentinel = blocks.shape[d]
+        index = [r + [sentinel] * (length - len(r)) for r in rows]
+        pad_shape = list(blocks.shape)
+        pad_shape[d] = 1
+        extended = torch.cat([blocks, blocks.new_full(pad_shape, fill)], d)
+        flat_index = torch.tensor([v for r in index for v in r], dtype=torch.long, device=win.device)
+        blocks = extended.index_select(d, flat_index)
+        block_len.append(length)
+        block_rows.append((starts, [len(r) for r in rows], length))
+
+    out_shape = tuple(win.shape[:first]) + tuple(1 if ad.is_global else ad.axis.out_local for ad in dims)
+    if blocks.numel() == 0 or 0 in out_shape:
+        values = connected_zeros(blocks, out_shape)
+        indices = torch.zeros(out_shape, dtype=torch.int64, device=win.device)
+    elif is_max:
+        values, local_idx = _LOCAL_MAX[n](blocks, block_len, block_len, 0, 1, False, return_indices=True)
+
+        def to_global(starts: list[int], lengths: list[int], length: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            base = torch.tensor(starts, dtype=torch.long, device=win.device)
+            valid = torch.tensor(lengths, dtype=torch.long, device=win.device)
+
+            def convert(coord: torch.Tensor) -> torch.Tensor:
+                row, offset = coord // length, coord % length
+                # A sentinel (empty local share of a global dim) must lose every tie: push it out of range.
+                return torch.where(offset < valid[row], base[row] + offset, torch.full_like(coord, -1))
+
+            return convert
+
+        indices = _global_flat_index(local_idx, blocks.shape[first:], [to_global(*r) for r in block_rows], x.shape[first:])
+        indices = torch.where(indices < 0, torch.full_like(indices, _INDEX_NONE), indices)
+    else:
+        values = _sum_pool(blocks, block_len, block_len)
+
+    placements = list(x._spec.placements)
+    for ad in dims:
+        if not ad.is_global:
+            continue
+        layout = spatial[ad.axis.dim]
+        group = layout.group
+        if is_max:
+            values, indices = _global_max(values, indices, group)
+        else:
+            values = _SumToReplicate.apply(values, group)
+        placements[layout.mesh_dim] = Replicate()
+    if not is_max:
+        values = values / _adaptive_divisor(x, dims, values)
+    sizes = {ad.axis.dim: ad.axis.out_sizes for ad in dims if ad.axis.out_sizes is not None}
+    result = from_local_like(values, x, sizes=sizes, placements=placements)
+    if return_indices:
+        return result, from_local_like(indices, x, sizes=sizes, placements=placements)
+    return result
+
+
+def _global_max(values: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max over the ranks of ``group``; ties go to the smallest global flat index (PyTorch's first max)."""
+    best = values.detach().clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    candidate = torch.where(values.detach() == best, indices, torch.full_like(indices, _INDEX_NONE))
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+    mine = (indices == candidate) & (values.detach() == best)
+    # Only the winner contributes, so the gradient reaches exactly one element.
+    return _SumToReplicate.apply(torch.where(mine, values, torch.zeros_like(values)), group), candidate
+
+
+def _adaptive_divisor(x: ShardTensor, dims: Sequence[_AdaptiveAxis], like: torch.Tensor) -> torch.Tensor:
+    """Window lengths of this rank's output rows, multiplied over the spatial dims."""
+    n = len(dims)
+    divisor = None
+    for i, ad in enumerate(dims):
+        size = x.shape[ad.axis.dim]
+        if ad.is_global:
+            counts = [size]
+        else:
+            counts = [_adaptive_end(j, size, ad.out) - _adaptive_start(j, size, ad.out) for j in range(ad.axis.j0, ad.axis.j1)]
+        shape = [1] * n
+        shape[i] = len(counts)
+        vector = torch.tensor(counts, dtype=like.dtype, device=like.device).reshape(shape)
+        divisor = vector if divisor is None else divisor * vector
+    return divisor
+
+
+# -- plugin hooks --------------------------------------------------------------------------------------
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare the pooling handlers (overriding PhysicsNeMo's max/avg pooling built-ins)."""
+    for target in (*_MAX_POOLS, *_AVG_POOLS):
+        patches.function(
+            target, pool_handler, override=True,
+            description=f"{describe_target(target)}: any kernel/stride/padding on uneven shards (window-overlap rows only)",
+        )
+    for target in _MAX_POOLS_WITH_INDICES:
+        patches.function(target, pool_handler, description=f"{describe_target(target)}: global flat indices")
+    for target in (*_ADAPTIVE_AVG, *_ADAPTIVE_MAX, *_ADAPTIVE_MAX_WITH_INDICES):
+        patches.function(
+            target, adaptive_pool_handler,
+            description=f"{describe_target(target)}: adaptive windows; output size 1 on a sharded dim all-reduces",
+        )

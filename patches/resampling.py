@@ -1,0 +1,349 @@
+"""pixel_shuffle / pixel_unshuffle and interpolate (nn.Upsample) on uneven shards.
+
+PhysicsNeMo 2.2 has no pixel-shuffle patch (the DTensor fallback crashes in
+shape inference on uneven shards), and its ``F.interpolate`` patch is silently
+wrong with ``align_corners=True`` and crashes with ``size=``.
+
+* ``pixel_shuffle(r)``: each input row becomes ``r`` output rows, so a sharded
+  height/width stays local and the output shards are ``r`` times the input's.
+  A sharded channel dim stays local when every shard holds whole groups of ``r*r``
+  channels; otherwise it is refused.
+* ``pixel_unshuffle(r)``: every ``r`` consecutive rows form one output row. Shards
+  whose sizes are multiples of ``r`` stay local; otherwise group ``g`` moves to the
+  owner of its first row (:func:`~physicsnemo_shardext.primitives.gather_global_indices`,
+  fewer than ``r`` rows per boundary), and output shards hold the groups they own.
+* ``interpolate`` with modes ``nearest``, ``nearest-exact``, ``linear``,
+  ``bilinear``, ``trilinear``, ``bicubic`` (``align_corners`` either way, ``size=`` or
+  ``scale_factor=``, ``recompute_scale_factor``): along a sharded dim, each output
+  row's source coordinate is computed *globally* with PyTorch's own formulas
+  (the user's ``scale_factor`` included), the row goes to the rank holding its
+  left source row, and that rank fetches the neighbours it lacks (linear: at
+  most one row per boundary; bicubic: 1 left, 2 right; nearest: none) and interpolates.
+  Unsharded dims are resized by ``F.interpolate`` on the local block. ``area`` is
+  adaptive average pooling and goes through ``F.adaptive_avg_pool{1,2,3}d``.
+
+Refused (``MissingShardPatch``): ``Partial`` inputs; ``antialias=True`` with a
+sharded spatial dim; ``pixel_shuffle`` with channel shards that split a group of
+``r*r`` channels; 1-D/3-D ``nearest`` whose ``scale_factor`` keeps a sharded dim's
+size but shifts its rows, and ``bicubic`` likewise (PyTorch's forward and backward disagree there).
+
+Example (2 ranks, height 17 split 10/7)::
+
+    y = F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True)   # height 25 split 15/10
+    z = F.pixel_unshuffle(x[..., :16, :], 2)                                    # groups split 5/3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.patches.pooling import bind_arguments, connected_zeros, refuse_partial, split_rows_by_owner
+from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = ["interpolate_handler", "pixel_shuffle_handler", "pixel_unshuffle_handler", "source_rows"]
+
+
+# -- pixel shuffle -------------------------------------------------------------------------------------
+def pixel_shuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``pixel_shuffle`` on uneven shards: local for sharded rows/batch; channel shards need whole groups.
+
+    Example::
+
+        patches.function(torch.nn.functional.pixel_shuffle, pixel_shuffle_handler)
+    """
+    op = describe_target(func)
+    a = bind_arguments(op, [("input", None), ("upscale_factor", None)], args, kwargs)
+    x, r = a["input"], int(a["upscale_factor"])
+    refuse_partial(x, op)
+    func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)  # PyTorch's own argument checks
+    channel = x.ndim - 3
+    sizes: dict[int, list[int]] = {}
+    for d, layout in sharded_dims(x).items():
+        if d == channel:
+            if any(s % (r * r) for s in layout.sizes):
+                raise MissingShardPatch(
+                    f"{op}: channel shards {layout.sizes} split groups of upscale_factor**2 = {r * r} channels; "
+                    "shard height/width instead, or make every channel shard a multiple of r*r"
+                )
+            sizes[d] = [s // (r * r) for s in layout.sizes]
+        elif d > channel:
+            sizes[d] = [s * r for s in layout.sizes]
+    local = x.to_local()
+    if local.numel() == 0:  # PyTorch's pixel_shuffle backward mis-shapes empty gradients
+        shape = list(local.shape)
+        shape[channel] //= r * r
+        shape[-2] *= r
+        shape[-1] *= r
+        return from_local_like(connected_zeros(local, shape), x, sizes=sizes)
+    return from_local_like(func(local, r), x, sizes=sizes)
+
+
+def pixel_unshuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``pixel_unshuffle`` on uneven shards: rows regrouped so that each rank holds whole groups of ``r``.
+
+    Example::
+
+        patches.function(torch.nn.functional.pixel_unshuffle, pixel_unshuffle_handler)
+    """
+    op = describe_target(func)
+    a = bind_arguments(op, [("input", None), ("downscale_factor", None)], args, kwargs)
+    x, r = a["input"], int(a["downscale_factor"])
+    refuse_partial(x, op)
+    func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)
+    channel = x.ndim - 3
+    local = x.to_local()
+    sizes: dict[int, list[int]] = {}
+    for d, layout in sharded_dims(x).items():
+        if d == channel:
+            sizes[d] = [s * r * r for s in layout.sizes]
+        elif d > channel:
+            groups = split_rows_by_owner(layout, [g * r for g in range(layout.total // r)])
+            if any(s % r for s in layout.sizes):
+                # Move each group of r rows to the owner of its first row (only split groups travel).
+                local = gather_global_indices(local, layout, lambda c, g=groups: list(range(g[c][0] * r, g[c][1] * r)))
+            sizes[d] = [g1 - g0 for g0, g1 in groups]
+    if local.numel() == 0:
+        shape = list(local.shape)
+        shape[channel] *= r * r
+        shape[-2] //= r
+        shape[-1] //= r
+        return from_local_like(connected_zeros(local, shape), x, sizes=sizes)
+    return from_local_like(func(local, r), x, sizes=sizes)
+
+
+# -- interpolate ---------------------------------------------------------------------------------------
+_SIGNATURE = [
+    ("input", None), ("size", None), ("scale_factor", None), ("mode", "nearest"), ("align_corners", None),
+    ("recompute_scale_factor", None), ("antialias", False),
+]
+_LINEAR = {"linear", "bilinear", "trilinear"}
+_NEAREST = {"nearest", "nearest-exact"}
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _nearest_rows(mode: str, in_size: int, out_size: int, scale: float | None, spatial_dims: int) -> torch.Tensor:
+    """Source row of each output row, read off PyTorch's own nearest kernel run on a row-number probe.
+
+    The kernels differ in details by rank (2-D copies rows when the size is unchanged
+    whatever the scale; 1-D and 3-D apply the scale), so the kernel itself is asked.
+    """
+    shape = [1, 1] + [1] * spatial_dims
+    shape[2] = in_size
+    probe = torch.arange(in_size, dtype=torch.float64).reshape(shape)
+    if scale is not None:
+        probed = F.interpolate(probe, scale_factor=[scale] + [1.0] * (spatial_dims - 1), mode=mode)
+    else:
+        probed = F.interpolate(probe, size=[out_size] + [1] * (spatial_dims - 1), mode=mode)
+    return probed.reshape(-1).to(torch.int64)
+
+
+def source_rows(
+    mode: str, in_size: int, out_size: int, scale: float | None, align_corners: bool, dtype: torch.dtype,
+    spatial_dims: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global source rows and weights of every output row, as PyTorch's CPU kernels compute them.
+
+    Returns ``(i0, i1, w0, w1)``: output row ``j`` is ``x[i0[j]] * w0[j] + x[i1[j]] * w1[j]``
+    (nearest modes: ``i1 = i0``, ``w0 = 1``, ``w1 = 0``). ``scale`` is the user's
+    ``scale_factor`` for this dim (``None`` when the size was given or recomputed);
+    ``spatial_dims`` is the number of resized dims of the call (nearest kernels differ by it).
+
+    >>> [t.tolist() for t in source_rows("linear", 3, 5, None, True, torch.float64)]
+    [[0, 0, 1, 1, 2], [1, 1, 2, 2, 2], [1.0, 0.5, 1.0, 0.5, 1.0], [0.0, 0.5, 0.0, 0.5, 0.0]]
+    """
+    j = torch.arange(out_size, dtype=torch.int64)
+    if mode in _NEAREST:
+        i0 = _nearest_rows(mode, in_size, out_size, scale, spatial_dims)
+        return i0, i0, torch.ones(out_size, dtype=dtype), torch.zeros(out_size, dtype=dtype)
+    if out_size == in_size:  # the linear kernels copy rows when the size is unchanged, whatever the scale
+        return j, j, torch.ones(out_size, dtype=dtype), torch.zeros(out_size, dtype=dtype)
+    op = _opmath(dtype)
+    if align_corners:
+        ratio = torch.tensor(in_size - 1, dtype=op) / (out_size - 1) if out_size > 1 else torch.tensor(0.0, dtype=op)
+        real = ratio * j.to(op)
+    else:
+        ratio = torch.tensor(1.0 / scale, dtype=op) if scale else torch.tensor(in_size, dtype=op) / out_size
+        real = torch.clamp(ratio * (j.to(op) + 0.5) - 0.5, min=0)
+    i0 = torch.clamp(torch.floor(real).to(torch.int64), max=in_size - 1)
+    w1 = torch.clamp(real - i0.to(op), 0, 1)
+    i1 = i0 + (i0 < in_size - 1).to(torch.int64)
+    return i0, i1, (1 - w1).to(dtype), w1.to(dtype)
+
+
+def cubic_source_rows(
+    in_size: int, out_size: int, scale: float | None, align_corners: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four clamped global source rows and their weights per output row, as PyTorch's bicubic kernel.
+
+    Returns ``(rows, weights)`` of shape ``(out_size, 4)``; output row ``j`` is ``sum_k x[rows[j, k]] * weights[j, k]``.
+
+    >>> rows, weights = cubic_source_rows(4, 4, None, False, torch.float64)
+    >>> rows[1].tolist(), weights[1].tolist()
+    ([0, 1, 2, 3], [0.0, 1.0, 0.0, 0.0])
+    """
+    op = _opmath(dtype)
+    j = torch.arange(out_size, dtype=op)
+    if align_corners:
+        ratio = torch.tensor(in_size - 1, dtype=op) / (out_size - 1) if out_size > 1 else torch.tensor(0.0, dtype=op)
+        real = ratio * j
+    else:
+        ratio = torch.tensor(1.0 / scale, dtype=op) if scale else torch.tensor(in_size, dtype=op) / out_size
+        real = ratio * (j + 0.5) - 0.5  # no clamp at 0 for cubic
+    index = torch.clamp(torch.floor(real).to(torch.int64), max=in_size - 1)
+    t = torch.clamp(real - index.to(op), 0, 1)
+    a = -0.75
+
+    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], dim=1)
+    rows = torch.clamp(index.unsqueeze(1) + torch.arange(-1, 3).unsqueeze(0), 0, in_size - 1)
+    return rows, weights.to(dtype)
+
+
+def _taps(mode: str, in_size: int, out_size: int, scale: float | None, align_corners: bool,
+          dtype: torch.dtype, spatial_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source rows ``(out, taps)`` and weights ``(out, taps)`` for any supported mode."""
+    if mode == "bicubic":
+        return cubic_source_rows(in_size, out_size, scale, align_corners, dtype)
+    i0, i1, w0, w1 = source_rows(mode, in_size, out_size, scale, align_corners, dtype, spatial_dims)
+    if mode in _NEAREST:
+        return i0.unsqueeze(1), w0.unsqueeze(1)
+    return torch.stack([i0, i1], 1), torch.stack([w0, w1], 1)
+
+
+def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: int, scale: float | None,
+                  align_corners: bool) -> tuple[torch.Tensor, list[int]]:
+    """Interpolate along one sharded dim; returns the local result and the output rows per coordinate."""
+    d = layout.tensor_dim
+    rows, weights = _taps(mode, layout.total, out_size, scale, align_corners, local.dtype, local.ndim - 2)
+    tap = 1 if mode == "bicubic" else 0
+    copies = torch.equal(rows[:, tap], torch.arange(out_size)) and bool((weights[:, tap] == 1).all())
+    if mode in ("nearest", "bicubic") and out_size == layout.total and not copies:
+        # PyTorch's nearest (1-D/3-D) and bicubic kernels move rows here, but their backward
+        # copies them: no sharded result can match both, so refuse rather than pick one.
+        raise MissingShardPatch(
+            f"torch.nn.functional.interpolate: mode={mode!r} with scale_factor={scale} keeps dim {d} at "
+            f"size {out_size} but shifts rows, and PyTorch's own backward treats it as a copy (forward and "
+            "backward disagree); pass size= or scale_factor=1.0 for that dim"
+        )
+    # The row goes to the owner of its left source row (the second tap for bicubic).
+    anchor = rows[:, 1] if mode == "bicubic" else rows[:, 0]
+    ranges = split_rows_by_owner(layout, anchor.tolist())
+    low, high = rows.min(1).values.tolist(), rows.max(1).values.tolist()
+
+    def wanted(coord: int) -> list[int]:
+        j0, j1 = ranges[coord]
+        return list(range(min(low[j0:j1]), max(high[j0:j1]) + 1)) if j1 > j0 else []
+
+    window = gather_global_indices(local, layout, wanted)
+    j0, j1 = ranges[layout.coord]
+    base = min(low[j0:j1]) if j1 > j0 else 0
+    shape = [1] * local.ndim
+    shape[d] = j1 - j0
+    out = None
+    for k in range(rows.shape[1]):
+        term = window.index_select(d, (rows[j0:j1, k] - base).to(local.device))
+        if mode not in _NEAREST:
+            term = term * weights[j0:j1, k].reshape(shape).to(local.device)
+        out = term if out is None else out + term
+    return out, [b - a for a, b in ranges]
+
+
+def _expand(value: Any, n: int) -> list[Any]:
+    if value is None:
+        return [None] * n
+    if isinstance(value, (list, tuple)):
+        return list(value) if len(value) == n else list(value) * n
+    return [value] * n
+
+
+def interpolate_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``F.interpolate`` on uneven shards with globally computed source coordinates.
+
+    Example::
+
+        patches.function(torch.nn.functional.interpolate, interpolate_handler, override=True)
+    """
+    op = describe_target(func)
+    a = bind_arguments(op, _SIGNATURE, args, kwargs)
+    x, mode = a["input"], a["mode"]
+    refuse_partial(x, op)
+    meta_kwargs = {k: v for k, v in a.items() if k != "input"}
+    out_shape = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs).shape  # PyTorch's checks
+    n = x.ndim - 2
+    spatial = {d: l for d, l in sharded_dims(x).items() if d >= 2}
+    if not spatial:
+        if a["size"] is None:
+            # Nothing sharded along the resized dims: PhysicsNeMo's built-in runs the local op, as we would.
+            return physicsnemo_shardext.builtin_handler(func)(func, types, args, kwargs)
+        return from_local_like(func(x.to_local(), **meta_kwargs), x)
+    if mode == "area":
+        pool = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}[n]
+        return pool(x, tuple(out_shape[2:]) if n > 1 else out_shape[2])
+    if a["antialias"]:
+        raise MissingShardPatch(f"{op}: antialias=True with a sharded spatial dim {sorted(spatial)} is not supported")
+    if mode not in _LINEAR | _NEAREST | {"bicubic"}:
+        raise MissingShardPatch(
+            f"{op}: mode={mode!r} with a sharded spatial dim {sorted(spatial)} is not supported "
+            "(supported: nearest, nearest-exact, linear, bilinear, trilinear, bicubic, area)"
+        )
+    use_scale = a["scale_factor"] is not None and not a["recompute_scale_factor"]
+    scales = _expand(a["scale_factor"], n) if use_scale else [None] * n
+    align = bool(a["align_corners"]) if mode in _LINEAR | {"bicubic"} else False
+
+    local = x.to_local()
+    sizes: dict[int, list[int]] = {}
+    for d, layout in sorted(spatial.items()):
+        local, sizes[d] = _resample_dim(local, layout, mode, out_shape[d], scales[d - 2], align)
+    rest = [d for d in range(2, x.ndim) if d not in spatial]
+    if rest:
+        final_shape = list(local.shape)
+        for d in rest:
+            final_shape[d] = out_shape[d]
+        if local.numel() == 0:
+            local = connected_zeros(local, final_shape)
+        else:
+            # Sharded dims are already resized: ask for an unchanged size there (PyTorch then copies rows).
+            local_kwargs = {"mode": mode, "align_corners": a["align_corners"]}
+            if use_scale:
+                local_kwargs["scale_factor"] = [1.0 if d in spatial else scales[d - 2] for d in range(2, x.ndim)]
+            else:
+                local_kwargs["size"] = [local.shape[d] if d in spatial else out_shape[d] for d in range(2, x.ndim)]
+            local = func(local, **local_kwargs)
+    return from_local_like(local, x, sizes=sizes)
+
+
+# -- plugin hooks --------------------------------------------------------------------------------------
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare pixel (un)shuffle and interpolate (overriding PhysicsNeMo's interpolate)."""
+    patches.function(F.pixel_shuffle, pixel_shuffle_handler, description="pixel_shuffle: local on row/batch shards")
+    patches.function(
+        F.pixel_unshuffle, pixel_unshuffle_handler,
+        description="pixel_unshuffle: groups of r rows regrouped to the owner of their first row",
+    )
+    patches.function(
+        F.interpolate, interpolate_handler, override=True,
+        description="interpolate: global source coordinates; at most one neighbour row per boundary",
+    )

@@ -1,0 +1,201 @@
+"""roll and flip along sharded dims, moving only the rows whose owner changes.
+
+Without these patches the calls go through the DTensor fallback (an all-gather
+of the activation; its backward fails on torch 2.14). Both ops are
+permutations of the rows of each dim, so each rank names the global rows its
+output needs and :func:`~physicsnemo_shardext.primitives.gather_global_indices`
+fetches them: rows that stay on their rank are copied locally, the others move
+in one ``all_to_all_single`` per sharded dim (none when no row changes rank).
+The output keeps the input's placements **and its exact, possibly uneven,
+shard sizes**; dims that are not sharded are rolled/flipped locally.
+
+* ``roll``: output row ``i`` is input row ``(i - shift) mod n``; several
+  ``shifts``/``dims`` pairs (a dim may repeat: the shifts add up), negative
+  shifts and shifts larger than the dim are supported.
+* ``flip`` (also ``fliplr`` / ``flipud``): output row ``i`` is input row ``n - 1 - i``.
+
+Refused (``MissingShardPatch``): ``torch.roll`` without ``dims`` (a roll of the
+flattened tensor) when any dim is sharded, ``Partial`` placements, a tensor dim
+sharded over two mesh dims.
+
+Example (2 ranks, ``x`` of height 7 sharded ``Shard(0)`` 5/2)::
+
+    y = torch.flip(x, [0])   # Shard(0), sizes 5/2; each rank sends 2 rows (rows 2..4 stay on rank 0)
+    z = x.roll(3, 0)         # Shard(0), sizes 5/2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from physicsnemo.domain_parallel import ShardTensor
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = ["FLIP_TARGETS", "ROLL_TARGETS", "sharded_flip", "sharded_roll"]
+
+
+def _as_tuple(value: Any) -> tuple:
+    if isinstance(value, torch.Size):
+        return tuple(value)
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _checked_input(func: Callable, x: Any) -> ShardTensor:
+    name = describe_target(func)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
+    if any(p.is_partial() for p in x._spec.placements):
+        raise MissingShardPatch(
+            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; redistribute to Shard/Replicate first"
+        )
+    return x
+
+
+def _normalize_dim(func: Callable, dim: Any, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise MissingShardPatch(f"{describe_target(func)}: dim {dim!r} is not supported on ShardTensor (ints are)")
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"{describe_target(func)}: dim {dim} out of range for a {ndim}-d tensor")
+    return dim % max(ndim, 1)
+
+
+def _permute_rows(local: torch.Tensor, layout: DimLayout, source_of: Callable[[int], int]) -> torch.Tensor:
+    """Output global row ``i`` := input global row ``source_of(i)``, keeping the input's row split."""
+
+    def wanted_by(coord: int) -> list[int]:
+        start = layout.offsets[coord]
+        return [source_of(i) for i in range(start, start + layout.sizes[coord])]
+
+    return gather_global_indices(local, layout, wanted_by)
+
+
+ROLL_TARGETS: tuple[Callable, ...] = (torch.roll, torch.Tensor.roll)
+
+
+def sharded_roll(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """torch.roll of a ShardTensor; sharded dims exchange only the rows that change rank.
+
+    Example::
+
+        patches.function(torch.roll, sharded_roll)
+    """
+    kwargs = dict(kwargs)
+    if not args:
+        raise TypeError(f"{describe_target(func)}: missing the input tensor")
+    x, rest = args[0], list(args[1:])
+    shifts = rest.pop(0) if rest else kwargs.pop("shifts")
+    dims = rest.pop(0) if rest else kwargs.pop("dims", None)
+    if rest or kwargs:
+        raise TypeError(f"{describe_target(func)}: unexpected arguments {rest or sorted(kwargs)}")
+    x = _checked_input(func, x)
+    layouts = sharded_dims(x)
+    if dims is None or _as_tuple(dims) == ():
+        if layouts:
+            raise MissingShardPatch(
+                f"{describe_target(func)}: roll without dims (a roll of the flattened tensor) is not supported "
+                f"when tensor dims {sorted(layouts)} are sharded; pass dims explicitly"
+            )
+        return from_local_like(torch.roll(x.to_local(), shifts), x)
+    shifts, dims = _as_tuple(shifts), _as_tuple(dims)
+    if len(shifts) != len(dims):
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    total_shift: dict[int, int] = {}
+    for shift, dim in zip(shifts, dims):
+        d = _normalize_dim(func, dim, x.ndim)
+        total_shift[d] = total_shift.get(d, 0) + int(shift)
+
+    local = x.to_local()
+    local_dims = [d for d in total_shift if d not in layouts]
+    if local_dims:
+        local = torch.roll(local, [total_shift[d] for d in local_dims], local_dims)
+    else:
+        local = local.clone()  # torch.roll never returns a view of its input
+    for d in sorted(d for d in total_shift if d in layouts):
+        layout = layouts[d]
+        n = layout.total
+        shift = total_shift[d] % n if n else 0
+        if shift:
+            local = _permute_rows(local, layout, lambda i, s=shift, n=n: (i - s) % n)
+    return from_local_like(local, x)
+
+
+FLIP_TARGETS: dict[Callable, tuple[int, ...] | None] = {
+    # target -> fixed dims (None: taken from the arguments)
+    torch.flip: None,
+    torch.Tensor.flip: None,
+    torch.fliplr: (1,),
+    torch.Tensor.fliplr: (1,),
+    torch.flipud: (0,),
+    torch.Tensor.flipud: (0,),
+}
+
+
+def _flip_dims(func: Callable, args: Sequence[Any], kwargs: dict) -> tuple:
+    fixed = FLIP_TARGETS[func]
+    if fixed is not None:
+        if len(args) > 1 or kwargs:
+            raise TypeError(f"{describe_target(func)}: takes only the input tensor")
+        return fixed
+    if len(args) > 2:
+        # Tensor.flip(*dims) form: x.flip(0, 1)
+        return tuple(args[1:])
+    if len(args) == 2:
+        if kwargs:
+            raise TypeError(f"{describe_target(func)}: unexpected arguments {sorted(kwargs)}")
+        return _as_tuple(args[1])
+    if set(kwargs) != {"dims"}:
+        raise TypeError(f"{describe_target(func)}: expected dims, got {sorted(kwargs)}")
+    return _as_tuple(kwargs["dims"])
+
+
+def sharded_flip(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """torch.flip (fliplr, flipud) of a ShardTensor; rows move to the mirrored position's owner.
+
+    Example::
+
+        patches.function(torch.flip, sharded_flip)
+    """
+    if not args:
+        raise TypeError(f"{describe_target(func)}: missing the input tensor")
+    x = _checked_input(func, args[0])
+    if FLIP_TARGETS[func] is not None and x.ndim < FLIP_TARGETS[func][0] + 1:
+        raise RuntimeError(f"{describe_target(func)}: input must be >= {FLIP_TARGETS[func][0] + 1}-d")
+    dims = [_normalize_dim(func, d, x.ndim) for d in _flip_dims(func, args, kwargs)]
+    if len(set(dims)) != len(dims):
+        raise RuntimeError(f"{describe_target(func)}: dims {dims} has a repeated dim")
+    layouts = sharded_dims(x)
+    local = x.to_local()
+    local_dims = [d for d in dims if d not in layouts]
+    local = torch.flip(local, local_dims)  # also the copy when nothing is local
+    for d in sorted(d for d in dims if d in layouts):
+        layout = layouts[d]
+        local = _permute_rows(local, layout, lambda i, n=layout.total: n - 1 - i)
+    return from_local_like(local, x)
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare roll and flip handlers."""
+    for target in ROLL_TARGETS:
+        patches.function(
+            target,
+            sharded_roll,
+            description=f"{describe_target(target)}: rows that change rank move in one all_to_all per sharded dim",
+        )
+    for target in FLIP_TARGETS:
+        patches.function(
+            target,
+            sharded_flip,
+            description=f"{describe_target(target)}: rows move to the owner of the mirrored position",
+        )

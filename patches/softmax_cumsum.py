@@ -1,0 +1,261 @@
+"""softmax, log_softmax, softmin and cumsum along a sharded dim, with O(statistics) communication.
+
+Without these patches the calls go through the DTensor fallback, which
+all-gathers the activation to ``Replicate`` (and whose backward fails on
+torch 2.14). Here the output keeps the input's placements and exact (uneven)
+shard sizes, and only per-rank statistics cross ranks:
+
+* **softmax / log_softmax / softmin** along a sharded dim: the global max of each
+  row (``all_reduce(MAX)``, no gradient needed: softmax does not depend on the
+  shift) and the global sum of ``exp(x - max)`` (``all_reduce(SUM)``, autograd-aware,
+  so the backward is one more ``all_reduce`` of the same size). Along an
+  unsharded dim: purely local.
+* **cumsum** along a sharded dim: the local cumsum plus the exclusive prefix of
+  the per-rank totals (one ``all_gather`` of a single row per rank; the backward
+  all-gathers the gradient of that row: the prefix of rank ``r`` feeds every
+  later rank). Along an unsharded dim: purely local.
+
+Refused (``MissingShardPatch``): inputs with a ``Partial`` placement, a
+tensor dim sharded over two mesh dims, named dims, the sharded tensor not being
+the first argument, ``cumsum(out=...)``, a softmax of an integer tensor along a
+sharded dim without ``dtype=`` (torch has no kernel for it either).
+
+Example (2 ranks, ``x`` sharded ``Shard(1)`` 10/7)::
+
+    y = torch.softmax(x, dim=1)      # Shard(1), sizes 10/7; 2 all_reduces of x.shape[0] * x.shape[2] values
+    c = x.cumsum(1)                  # Shard(1), sizes 10/7; 1 all_gather of one row per rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, dim_layout, from_local_like
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = ["CUMSUM_TARGETS", "SOFTMAX_TARGETS", "sharded_cumsum", "sharded_softmax"]
+
+_NO_DEFAULT = object()
+
+
+def _bind(func: Callable, args: tuple, kwargs: dict, names: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Map positional and keyword arguments onto ``names`` ((name, default) pairs, in order)."""
+    if len(args) > len(names):
+        raise TypeError(f"{describe_target(func)}: too many positional arguments ({len(args)})")
+    bound = dict(zip((n for n, _ in names), args))
+    for key, value in kwargs.items():
+        if key in bound:
+            raise TypeError(f"{describe_target(func)}: got multiple values for argument {key!r}")
+        bound[key] = value
+    for name, default in names:
+        if name not in bound:
+            if default is _NO_DEFAULT:
+                raise TypeError(f"{describe_target(func)}: missing argument {name!r}")
+            bound[name] = default
+    return bound
+
+
+def _checked_input(func: Callable, x: Any, dim: Any) -> tuple[ShardTensor, int]:
+    """Validate the sharded input and normalize ``dim``."""
+    name = describe_target(func)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
+    if any(p.is_partial() for p in x._spec.placements):
+        raise MissingShardPatch(
+            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; "
+            "redistribute to Shard/Replicate first (a softmax/cumsum of a partial sum is not the sum of them)"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise MissingShardPatch(f"{name}: dim={dim!r} is not supported on ShardTensor (an int dim is)")
+    ndim = max(x.ndim, 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"{name}: dim {dim} out of range for a {x.ndim}-d tensor")
+    return x, dim % ndim
+
+
+def _softmax_dim_legacy(ndim: int) -> int:
+    # What F.softmax picks when dim is None (deprecated implicit dim).
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+def _global_row_max(local: torch.Tensor, layout: DimLayout) -> torch.Tensor:
+    """Max over the sharded dim across all ranks (no gradient: softmax is shift-invariant)."""
+    dim = layout.tensor_dim
+    with torch.no_grad():
+        if local.shape[dim] == 0:
+            shape = list(local.shape)
+            shape[dim] = 1
+            row_max = local.new_full(shape, float("-inf"))
+        else:
+            row_max = local.amax(dim, keepdim=True).clone()
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=layout.group)
+    # A row whose every entry is -inf keeps max -inf: exp(x - max) is then nan, as in torch.
+    return row_max
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the layout's group; the gradient of every rank's summand is the summed gradient."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, layout: DimLayout) -> torch.Tensor:
+        ctx.layout = layout
+        total = value.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=layout.group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad = grad_total.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.layout.group)
+        return grad, None
+
+
+def _sharded_log_softmax_local(local: torch.Tensor, layout: DimLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (x - max, log(sum exp(x - max))) for this rank's block, the sum taken over all ranks."""
+    shifted = local - _global_row_max(local, layout)
+    local_sum = shifted.exp().sum(layout.tensor_dim, keepdim=True)
+    total = _AllReduceSum.apply(local_sum, layout)
+    return shifted, total.log()
+
+
+SOFTMAX_TARGETS: dict[Callable, tuple[str, list[tuple[str, Any]]]] = {
+    # target -> (kind, signature of the arguments after the tensor)
+    F.softmax: ("softmax", [("dim", None), ("_stacklevel", 3), ("dtype", None)]),
+    F.log_softmax: ("log_softmax", [("dim", None), ("_stacklevel", 3), ("dtype", None)]),
+    F.softmin: ("softmin", [("dim", None), ("_stacklevel", 3), ("dtype", None)]),
+    torch.softmax: ("softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+    torch.log_softmax: ("log_softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+    torch.Tensor.softmax: ("softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+    torch.Tensor.log_softmax: ("log_softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+    torch.special.softmax: ("softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+    torch.special.log_softmax: ("log_softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+}
+
+
+def sharded_softmax(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """softmax / log_softmax / softmin of a ShardTensor; communicates only along a sharded ``dim``.
+
+    Example::
+
+        patches.function(torch.nn.functional.softmax, sharded_softmax)
+    """
+    kind, signature = SOFTMAX_TARGETS[func]
+    if not args:
+        raise TypeError(f"{describe_target(func)}: missing the input tensor")
+    bound = _bind(func, args[1:], dict(kwargs), signature)
+    x = args[0]
+    dim = bound["dim"]
+    if dim is None and isinstance(x, torch.Tensor):
+        dim = _softmax_dim_legacy(x.ndim)
+    x, dim = _checked_input(func, x, dim)
+    local = x.to_local()
+    if bound["dtype"] is not None:
+        local = local.to(bound["dtype"])  # torch casts before the op
+    if kind == "softmin":
+        local = -local
+    layout = dim_layout(x, dim)
+    if layout is not None and not (local.is_floating_point() or local.is_complex()):
+        raise MissingShardPatch(
+            f"{describe_target(func)}: {kind} of a {local.dtype} tensor (torch has no kernel for it); pass dtype="
+        )
+    if layout is None:
+        out = (torch.log_softmax if kind == "log_softmax" else torch.softmax)(local, dim)
+    else:
+        shifted, log_total = _sharded_log_softmax_local(local, layout)
+        out = shifted - log_total if kind == "log_softmax" else (shifted - log_total).exp()
+    return from_local_like(out, x)
+
+
+class _ExclusivePrefix(torch.autograd.Function):
+    """Sum of the per-rank totals of all lower coordinates; differentiable.
+
+    Forward all-gathers one row per rank; backward all-gathers the prefix gradients,
+    since coordinate ``c``'s total feeds the prefix of every coordinate above it.
+    """
+
+    @staticmethod
+    def forward(ctx, total: torch.Tensor, layout: DimLayout) -> torch.Tensor:
+        ctx.layout = layout
+        gathered = _gather_rows(total, layout)
+        prefix = torch.zeros_like(total)
+        for coord in range(layout.coord):
+            prefix += gathered[coord]
+        return prefix
+
+    @staticmethod
+    def backward(ctx, grad_prefix: torch.Tensor):
+        layout = ctx.layout
+        gathered = _gather_rows(grad_prefix.contiguous(), layout)
+        grad_total = torch.zeros_like(grad_prefix)
+        for coord in range(layout.coord + 1, layout.parts):
+            grad_total += gathered[coord]
+        return grad_total, None
+
+
+def _gather_rows(row: torch.Tensor, layout: DimLayout) -> list[torch.Tensor]:
+    """All-gather ``row`` along the layout's mesh dim; returned in coordinate order."""
+    received = [torch.empty_like(row) for _ in range(layout.parts)]
+    dist.all_gather(received, row.contiguous(), group=layout.group)
+    by_group_rank = {group_rank: t for group_rank, t in enumerate(received)}
+    return [by_group_rank[layout.group_ranks[c]] for c in range(layout.parts)]
+
+
+CUMSUM_TARGETS: tuple[Callable, ...] = (torch.cumsum, torch.Tensor.cumsum)
+
+
+def sharded_cumsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """cumsum of a ShardTensor; along a sharded dim adds the exclusive prefix of per-rank totals.
+
+    Example::
+
+        patches.function(torch.cumsum, sharded_cumsum)
+    """
+    if not args:
+        raise TypeError(f"{describe_target(func)}: missing the input tensor")
+    bound = _bind(func, args[1:], dict(kwargs), [("dim", _NO_DEFAULT), ("dtype", None), ("out", None)])
+    if bound["out"] is not None:
+        raise MissingShardPatch(f"{describe_target(func)}: out= is not supported on ShardTensor")
+    x, dim = _checked_input(func, args[0], bound["dim"])
+    local = x.to_local()
+    if x.ndim == 0:
+        return from_local_like(torch.cumsum(local, 0, dtype=bound["dtype"]), x)
+    summed = torch.cumsum(local, dim, dtype=bound["dtype"])
+    layout = dim_layout(x, dim)
+    if layout is not None:
+        if summed.shape[dim] == 0:
+            # Zeros that stay in the autograd graph, so this rank joins the backward's collective too.
+            total = summed.sum(dim, keepdim=True)
+        else:
+            total = summed.narrow(dim, summed.shape[dim] - 1, 1)
+        summed = summed + _ExclusivePrefix.apply(total, layout)
+    return from_local_like(summed, x)
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare softmax-family and cumsum handlers."""
+    for target, (kind, _) in SOFTMAX_TARGETS.items():
+        patches.function(
+            target,
+            sharded_softmax,
+            description=f"{describe_target(target)}: {kind} with global max/sum all_reduces along a sharded dim",
+        )
+    for target in CUMSUM_TARGETS:
+        patches.function(
+            target,
+            sharded_cumsum,
+            description=f"{describe_target(target)}: local cumsum plus the exclusive prefix of per-rank totals",
+        )

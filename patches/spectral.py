@@ -1,0 +1,456 @@
+"""Spectral-layer ops on a sharded spectrum: mode slicing, einsum with replicated weights, slice assignment.
+
+What an FNO layer does between ``rfft2`` and ``irfft2`` (see ``patches/fft.py``,
+whose spectrum is sharded on the last, ``W//2+1`` frequency dim):
+
+* ``x[..., :m1, :m2]``, ``x[..., -m1:, :m2]`` (``torch.Tensor.__getitem__``):
+  basic slices (any step > 0), ints and ``...`` work on every rank's own rows,
+  with no communication. A slice along a sharded dim keeps on each rank the
+  selected rows it holds, so the result is unevenly sharded on the same dim
+  (empty shards included: ``:m2`` of a dim split 5/4 is split ``m2``/0 for
+  ``m2 <= 5``). Other index forms (tensors, ``None``, bools, an int on a
+  sharded dim) go to the DTensor fallback, as before this plugin.
+* ``torch.einsum`` with sharded operands and replicated ones (plain tensors,
+  which ShardTensor promotes to ``Replicate``, or ``Replicate`` DTensor
+  parameters from ``distribute_module``): a replicated operand that shares a
+  sharded index is cut to this rank's rows, the einsum runs locally, and the
+  output is sharded on that index (same split). The gradients of replicated
+  operands are all-reduced over the mesh dims that shard the sharded operands
+  (in backward only), so they come back complete on every rank. Forward: no
+  communication.
+* ``out[idx] = value`` (``torch.Tensor.__setitem__``) into a ShardTensor ``out``
+  (e.g. ``torch.zeros_like(x_ft)``, sharded like the spectrum): each rank
+  writes its part locally; autograd sees a functional update (the tensor
+  object is swapped for the updated one with ``torch.utils.swap_tensors``),
+  so gradients reach ``value`` and whatever ``out`` was computed from.
+
+* ``replicated + shard`` (``torch.add``, ``Tensor.add``, ``+``): a replicated
+  tensor of the same global shape that needs no gradient (PhysicsNeMo's
+  ``torch.zeros(...)`` spectrum buffer, promoted to ``Replicate``) is cut to the
+  ShardTensor's own split and added locally; the output keeps that split. Every
+  ShardTensors of the same shape and placements are added on the first one's
+  split (the second one's rows that change owner move with one all-to-all per
+  differing dim, none when the splits agree). Every other addition takes the
+  DTensor fallback, as before this plugin.
+
+Refused (``MissingShardPatch``):
+
+* einsum that contracts a sharded index (the result would be a partial sum),
+  two operands sharded differently on one index, ``...`` over a sharded dim
+  mixed with broadcasting, a ``Partial`` or ``Shard`` DTensor operand;
+* ``plain[idx] = shard_tensor``: writing a sharded value into a plain tensor
+  (``torch.zeros(...)`` in a textbook FNO/AFNO block) would leave a full,
+  replicated buffer cut off from the sharded autograd graph; the message says
+  to build the buffer from the spectrum (``torch.zeros_like(x_ft)``) or to use
+  ``F.pad`` + add as PhysicsNeMo's ``SpectralConv2d`` does;
+* setitem whose value is sharded differently from the target region.
+
+Example (2 ranks, spectrum sharded on dim 3, split 5/4)::
+
+    low = x_ft[:, :, :4, :6]                          # split 5/1 on dim 3
+    y = torch.einsum("bixy,ioxy->boxy", low, w)       # w replicated (i, o, 4, 6)
+    out = torch.zeros_like(x_ft)                      # a ShardTensor buffer, split like x_ft
+    out[:, :, :4, :6] = y                             # local writes (here i == o)
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives.index_exchange import gather_global_indices
+from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
+
+__all__ = ["plan_index", "replicated_add", "sharded_einsum", "sharded_getitem", "sharded_setitem"]
+
+
+# -- indexing -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IndexPlan:
+    """A basic index applied per rank: the local index, and each surviving sharded dim's new split."""
+
+    local_index: tuple[Any, ...]
+    out_sizes: dict[int, tuple[int, ...]]  # output tensor dim -> rows per coordinate
+    out_mesh_dims: dict[int, int]  # output tensor dim -> mesh dim
+
+
+class _Unsupported(Exception):
+    """This index form is not handled here (the caller falls back or refuses)."""
+
+
+def _expand_index(index: Any, ndim: int) -> list[Any]:
+    items = list(index) if isinstance(index, tuple) else [index]
+    for item in items:
+        if not (item is Ellipsis or isinstance(item, (slice, int)) and not isinstance(item, bool)):
+            raise _Unsupported(f"index element {item!r}")
+    if sum(item is Ellipsis for item in items) > 1:
+        raise _Unsupported("several Ellipsis")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        fill = ndim - (len(items) - 1)
+        items = items[:at] + [slice(None)] * fill + items[at + 1 :]
+    if len(items) > ndim:
+        raise _Unsupported(f"{len(items)} indices for {ndim} dims")
+    return items + [slice(None)] * (ndim - len(items))
+
+
+def _local_slice(sl: slice, layout: DimLayout) -> tuple[slice, tuple[int, ...]]:
+    """This rank's part of a global slice along a sharded dim, and the rows each coordinate keeps."""
+    start, stop, step = sl.indices(layout.total)
+    if step <= 0:
+        raise _Unsupported("a slice with a non-positive step")
+    counts, mine = [], slice(0, 0)
+    for coord in range(layout.parts):
+        lo, hi = layout.offsets[coord], layout.offsets[coord] + layout.sizes[coord]
+        first = max(start, lo)
+        first += (start - first) % step  # next selected row at or after lo
+        last = min(stop, hi)
+        n = max(0, (last - first + step - 1) // step)
+        counts.append(n)
+        if coord == layout.coord:
+            mine = slice(first - lo, first - lo + n * step, step) if n else slice(0, 0)
+    return mine, tuple(counts)
+
+
+def plan_index(x: ShardTensor, index: Any) -> IndexPlan:
+    """Plan ``x[index]`` for a basic index (slices, ints on unsharded dims, one ``...``).
+
+    Raises ``_Unsupported`` for other forms.
+    """
+    layouts = sharded_dims(x)
+    items = _expand_index(index, x.ndim)
+    local_index: list[Any] = []
+    out_sizes: dict[int, tuple[int, ...]] = {}
+    out_mesh_dims: dict[int, int] = {}
+    out_dim = 0
+    for dim, item in enumerate(items):
+        layout = layouts.get(dim)
+        if isinstance(item, int):
+            if layout is not None:
+                raise _Unsupported(f"an int index on sharded dim {dim}")
+            local_index.append(item)
+            continue
+        if layout is None:
+            local_index.append(item)
+        else:
+            mine, counts = _local_slice(item, layout)
+            local_index.append(mine)
+            out_sizes[out_dim] = counts
+            out_mesh_dims[out_dim] = layout.mesh_dim
+        out_dim += 1
+    return IndexPlan(tuple(local_index), out_sizes, out_mesh_dims)
+
+
+def _placements_for(x: ShardTensor, plan: IndexPlan) -> list[Any]:
+    placements = list(x._spec.placements)
+    for out_dim, mesh_dim in plan.out_mesh_dims.items():
+        placements[mesh_dim] = Shard(out_dim)
+    return placements
+
+
+def sharded_getitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``x[index]`` on each rank's own rows for basic indices; other forms take the DTensor fallback.
+
+    Example::
+
+        x_ft[:, :, -4:, :6]      # uneven shards of dim 3, no communication
+    """
+    x, index = args[0], args[1]
+    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+    try:
+        plan = plan_index(x, index)
+    except _Unsupported:
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+    local = x.to_local()[plan.local_index]
+    return build_shard_tensor(local, x._spec.mesh, _placements_for(x, plan), plan.out_sizes)
+
+
+# -- slice assignment ---------------------------------------------------------------------
+def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> None:
+    """``out[index] = value`` for a ShardTensor ``out``: local writes, autograd-correct.
+
+    ``value`` is a number, a ShardTensor split like the target region (as a slice of a
+    tensor sharded like ``out`` is), or a replicated tensor of the region's global shape.
+
+    Example::
+
+        out = torch.zeros_like(x_ft)
+        out[:, :, :4, :6] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :4, :6], w)
+    """
+    target, index, value = args[0], args[1], args[2]
+    if not isinstance(target, ShardTensor):
+        raise MissingShardPatch(
+            "torch.Tensor.__setitem__: writing a ShardTensor into a plain (replicated) tensor, "
+            f"shape {tuple(target.shape)}: the buffer would be full-size on every rank and cut off from "
+            "the sharded autograd graph. Build the buffer from the sharded spectrum instead "
+            "(e.g. out = torch.zeros_like(x_ft), sharded like x_ft), or use F.pad + add as "
+            "physicsnemo's SpectralConv2d does"
+        )
+    if any(p.is_partial() for p in target._spec.placements):
+        raise MissingShardPatch(f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements}")
+    try:
+        plan = plan_index(target, index)
+    except _Unsupported as why:
+        raise MissingShardPatch(f"torch.Tensor.__setitem__ on a ShardTensor with index {index!r}: {why}") from None
+    region = target.to_local()[plan.local_index]
+    value_local = _value_for_region(value, target, plan, region)
+    updated = target.to_local().clone()
+    updated[plan.local_index] = value_local
+    layouts = sharded_dims(target)
+    new = build_shard_tensor(updated, target._spec.mesh, target._spec.placements,
+                             {d: l.sizes for d, l in layouts.items()})
+    try:
+        torch.utils.swap_tensors(target, new)
+    except RuntimeError as why:
+        raise MissingShardPatch(
+            f"torch.Tensor.__setitem__ on a ShardTensor: cannot update it in place ({why}); "
+            "write out = out.index_put(...) style code or use F.pad + add"
+        ) from None
+
+
+def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: torch.Tensor) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, ShardTensor):
+        layouts = sharded_dims(value)
+        wanted = {d: (plan.out_mesh_dims[d], sizes) for d, sizes in plan.out_sizes.items()}
+        have = {d % value.ndim: (l.mesh_dim, l.sizes) for d, l in layouts.items()}
+        if value.ndim != region.ndim or wanted != have:
+            raise MissingShardPatch(
+                "torch.Tensor.__setitem__: the value's sharding "
+                f"{ {d: s for d, s in have.items()} } does not match the target region's "
+                f"{ {d: s for d, s in wanted.items()} } (tensor dim -> (mesh dim, rows per coordinate)); "
+                "slice the value from a tensor sharded like the target"
+            )
+        return value.to_local()
+    if isinstance(value, DTensor):
+        if not all(isinstance(p, Replicate) for p in value.placements):
+            raise MissingShardPatch(f"torch.Tensor.__setitem__: value placements {value.placements}")
+        value = value.to_local()
+    # A replicated value of the region's global shape: keep this rank's rows.
+    index: list[Any] = [slice(None)] * value.ndim
+    offset = value.ndim - region.ndim
+    for out_dim, sizes in plan.out_sizes.items():
+        d = out_dim + offset
+        if d < 0 or value.shape[d] == 1:
+            continue  # broadcast
+        if value.shape[d] != sum(sizes):
+            raise MissingShardPatch(f"torch.Tensor.__setitem__: value dim {d} has {value.shape[d]} rows, "
+                                    f"the region {sum(sizes)}")
+        coord = target._spec.mesh.get_coordinate()[plan.out_mesh_dims[out_dim]]
+        start = sum(sizes[:coord])
+        index[d] = slice(start, start + sizes[coord])
+    return value[tuple(index)]
+
+
+# -- adding a replicated buffer -------------------------------------------------------------
+def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``full_plain + shard`` (either order): add this rank's part of the replicated tensor locally.
+
+    PhysicsNeMo's ``SpectralConv2d`` starts from ``torch.zeros(B, Co, H, W//2+1)`` (plain,
+    promoted to ``Replicate``) and adds the padded, sharded mode products. The DTensor
+    fallback re-cuts the replicated tensor evenly, which fails for uneven spectra; here it is
+    cut to the ShardTensor's own split. Only an exact global-shape match of a replicated
+    operand that does not require grad, or two ShardTensors of identical shape and
+    placements (the result takes the first one's split; the second's rows that change
+    owner are exchanged), take this path; every other addition (broadcasting, scalars,
+    ``alpha=``) goes to the DTensor fallback as before.
+
+    Example::
+
+        out_ft = torch.zeros(x_ft.shape, dtype=torch.cfloat) + F.pad(modes, (0, w - m2, 0, h - m1))
+    """
+    if len(args) != 2 or kwargs:
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+    a, b = args
+    if _same_placements(a, b):
+        # Two ShardTensors sharded on the same dims (e.g. mode products padded back by F.pad,
+        # whose splits depend on which side was padded): b's rows are moved to a's split
+        # (only rows that change owner travel; nothing when the splits agree), then added locally.
+        a_layouts = sharded_dims(a)
+        b_local = b.to_local()
+        for d, b_layout in sharded_dims(b).items():
+            a_layout = a_layouts[d]
+            if a_layout.sizes != b_layout.sizes:
+                b_local = gather_global_indices(
+                    b_local, b_layout,
+                    lambda c, al=a_layout: range(al.offsets[c], al.offsets[c] + al.sizes[c]),
+                )
+        return build_shard_tensor(a.to_local() + b_local, a._spec.mesh, a._spec.placements,
+                                  {d: l.sizes for d, l in a_layouts.items()})
+    shard, rep = (a, b) if isinstance(a, ShardTensor) else (b, a)
+    if not (
+        isinstance(shard, ShardTensor)
+        and isinstance(rep, DTensor)
+        and not isinstance(rep, ShardTensor)
+        and all(isinstance(p, Replicate) for p in rep.placements)
+        and not any(p.is_partial() for p in shard._spec.placements)
+        and tuple(rep.shape) == tuple(shard.shape)
+        and not rep.requires_grad
+    ):
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+    layouts = sharded_dims(shard)
+    part = rep.to_local()
+    for d, layout in layouts.items():
+        part = part.narrow(d, layout.start, layout.local_size)
+    local = shard.to_local() + part if shard is a else part + shard.to_local()
+    return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements,
+                              {d: l.sizes for d, l in layouts.items()})
+
+
+def _same_placements(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, ShardTensor)
+        and isinstance(b, ShardTensor)
+        and tuple(a.shape) == tuple(b.shape)
+        and a._spec.mesh == b._spec.mesh
+        and tuple(a._spec.placements) == tuple(b._spec.placements)
+        and not any(p.is_partial() for p in a._spec.placements)
+    )
+
+
+# -- einsum -------------------------------------------------------------------------------
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over the given process groups."""
+
+    @staticmethod
+    def forward(ctx, t, groups):  # type: ignore[override]
+        ctx.groups = groups
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(grad, group=group)
+        return grad, None
+
+
+def _split_equation(equation: str, operands: Sequence[torch.Tensor]) -> tuple[list[str], str]:
+    """Explicit subscripts per operand and for the output, with ``...`` spelled out."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    inputs = lhs.split(",")
+    if len(inputs) != len(operands):
+        raise MissingShardPatch(f"torch.einsum: {len(inputs)} subscripts for {len(operands)} operands")
+    used = set(equation) - set(".,->")
+    spare = [c for c in string.ascii_letters if c not in used]
+    widths = [op.ndim - (len(s) - 3) if "..." in s else 0 for s, op in zip(inputs, operands)]
+    width = max(widths, default=0)
+    ell = "".join(spare[:width])
+    inputs = [s.replace("...", ell[width - w :]) for s, w in zip(inputs, widths)]
+    if not arrow:
+        counts = {c: sum(s.count(c) for s in inputs) for c in set("".join(inputs))}
+        rhs = ell + "".join(sorted(c for c, n in counts.items() if n == 1 and c not in ell))
+    else:
+        rhs = rhs.replace("...", ell)
+    return inputs, rhs
+
+
+def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``torch.einsum`` on local blocks; replicated operands cut to this rank's rows, their grads summed.
+
+    Example::
+
+        torch.einsum("bixy,ioxy->boxy", x_ft_modes, weights)   # x sharded on y: output sharded on y
+    """
+    equation, *operands = args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if kwargs:
+        raise MissingShardPatch(f"torch.einsum on ShardTensors: keyword arguments {sorted(kwargs)}")
+    subscripts, out = _split_equation(equation, operands)
+
+    # Sharded indices: letter -> (mesh dim, sizes), consistent over all sharded operands.
+    sharded: dict[str, tuple[int, tuple[int, ...], DimLayout]] = {}
+    mesh = None
+    for subs, op in zip(subscripts, operands):
+        if isinstance(op, ShardTensor):
+            mesh = op._spec.mesh
+            if any(p.is_partial() for p in op._spec.placements):
+                raise MissingShardPatch(f"torch.einsum {equation!r}: an operand has a Partial placement")
+            for d, layout in sharded_dims(op).items():
+                letter = subs[d]
+                entry = (layout.mesh_dim, layout.sizes, layout)
+                if letter in sharded and sharded[letter][:2] != entry[:2]:
+                    raise MissingShardPatch(
+                        f"torch.einsum {equation!r}: index {letter!r} is sharded differently in two operands "
+                        f"({sharded[letter][:2]} vs {entry[:2]})"
+                    )
+                sharded[letter] = entry
+    contracted = [c for c in sharded if c not in out]
+    if contracted:
+        raise MissingShardPatch(
+            f"torch.einsum {equation!r}: contracts sharded index(es) {contracted}; the result would be a partial "
+            "sum over ranks (not supported: shard another dim, or reduce explicitly)"
+        )
+    groups = [mesh.get_group(m) for m in sorted({m for m, _, _ in sharded.values()})]
+
+    locals_: list[torch.Tensor] = []
+    for subs, op in zip(subscripts, operands):
+        if isinstance(op, ShardTensor):
+            own = {subs[d] for d in sharded_dims(op)}
+            local = op.to_local()
+            if any(c in sharded and c not in own for c in subs):
+                raise MissingShardPatch(
+                    f"torch.einsum {equation!r}: operand {subs!r} is sharded, but not on every sharded index "
+                    f"{sorted(sharded)} it carries"
+                )
+            locals_.append(local)
+            continue
+        if isinstance(op, DTensor):
+            if not all(isinstance(p, Replicate) for p in op.placements):
+                raise MissingShardPatch(f"torch.einsum {equation!r}: a DTensor operand with placements {op.placements}")
+            local = op.to_local()
+        else:
+            local = op
+        if local.requires_grad and groups:
+            # Each rank only sees its rows: the full gradient is the sum over ranks.
+            local = _SumGradOver.apply(local, groups)
+        for d, letter in enumerate(subs):
+            if letter in sharded and local.shape[d] != 1:
+                mesh_dim, sizes, layout = sharded[letter]
+                if local.shape[d] != sum(sizes):
+                    raise MissingShardPatch(
+                        f"torch.einsum {equation!r}: replicated operand {subs!r} has {local.shape[d]} rows on "
+                        f"index {letter!r}, the sharded operand {sum(sizes)}"
+                    )
+                local = local.narrow(d, layout.start, layout.local_size)
+        locals_.append(local)
+    result = torch.einsum(",".join(subscripts) + "->" + out, *locals_)
+    placements: list[Any] = [Replicate()] * mesh.ndim
+    dim_sizes = {}
+    for letter, (mesh_dim, sizes, _) in sharded.items():
+        placements[mesh_dim] = Shard(out.index(letter))
+        dim_sizes[out.index(letter)] = sizes
+    return build_shard_tensor(result, mesh, placements, dim_sizes)
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Declare mode slicing, einsum and slice assignment on ShardTensors."""
+    patches.function(torch.Tensor.__getitem__, sharded_getitem,
+                     description="basic slicing on each rank's own rows (uneven result, no communication)")
+    patches.function(torch.Tensor.__setitem__, sharded_setitem,
+                     description="slice assignment into a ShardTensor by local writes (autograd-correct)")
+    for target in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__):
+        patches.function(target, replicated_add,
+                         description="replicated full tensor + ShardTensor cut to the shard's own split; else fallback")
+    patches.function(torch.einsum, sharded_einsum,
+                     description="einsum on local blocks; replicated operands sliced, their grads summed in backward")

@@ -1,0 +1,156 @@
+"""Tests of the distributed torch.fft plugin (patches/fft.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.fft import FFT_FUNCTIONS, distributed_fft, parse_fft_call
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
+from physicsnemo_shardext.testing.conformance import Mismatch, _compare
+
+
+def test_every_transform_is_installed_by_the_plugin():
+    registry = physicsnemo_shardext.get_registry()
+    for name in FFT_FUNCTIONS:
+        record = registry.provenance(getattr(torch.fft, name))
+        assert record is not None and record.declaration.handler is distributed_fft
+
+
+def test_call_normalization_follows_torch():
+    assert parse_fft_call("fftn", 4, None, None, None).dims == (0, 1, 2, 3)
+    assert parse_fft_call("irfftn", 5, (4, 6), None, "forward").dims == (3, 4)
+    call = parse_fft_call("rfft", 3, 10, 1, "ortho")
+    assert (call.dims, call.sizes, call.kind) == ((1,), (10,), "r2c")
+    assert parse_fft_call("fft2", 3, (-1, 4), (0, 2), None).sizes == (None, 4)
+
+
+def test_complex_comparison_reports_the_imaginary_error():
+    # conformance._compare must measure complex errors on the complex values (not the real part only).
+    mismatches: list[Mismatch] = []
+    errors: dict[str, float] = {}
+    a = torch.tensor([1 + 1j, 2 + 0j])
+    _compare("x", a, a + 0.5j, 1e-4, 1e-5, mismatches, errors)
+    assert mismatches and errors["x"] == pytest.approx(0.5)
+
+
+def _input_for(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    kind = FFT_FUNCTIONS[name][0]
+    if kind == "r2c":
+        return torch.randn(shape)
+    return torch.randn(shape, dtype=torch.complex64)
+
+
+# (function, kwargs): transforms over the sharded dim 2 of a (2, 3, 8, 6) tensor, its neighbours, n=/s=/dim=.
+CALLS = {
+    "fft": {"dim": 2},
+    "ifft": {"dim": 2, "n": 10},
+    "rfft": {"dim": 2},
+    "irfft": {"dim": 2, "n": 9},
+    "fft2": {},
+    "ifft2": {"s": (6, 4)},
+    "rfft2": {},
+    "irfft2": {"s": (8, 6)},
+    "fftn": {"dim": (1, 2, 3)},
+    "ifftn": {},
+    "rfftn": {"dim": (3, 2), "s": (5, 8)},
+    "irfftn": {"dim": (1, 2)},
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CALLS))
+@pytest.mark.parametrize("norm", [None, "ortho", "forward"])
+def test_transform_matches_single_process(domain_mesh, name, norm):
+    fn = getattr(torch.fft, name)
+    x = _input_for(name, (2, 3, 8, 6))
+    report = check_conformance(
+        lambda t: fn(t, norm=norm, **CALLS[name]), [x], ShardSpec(domain_mesh, [Shard(2)], [5, 3]),
+        expected_placements=None, atol=1e-4, rtol=1e-4,
+    )
+    # Never a gather: the sharded dim's transform costs one all-to-all each way (or none).
+    assert set(report.comms.forward.counts) <= {"c10d.alltoall_base_"}
+    assert report.comms.forward.total_calls <= 1
+    assert set(report.comms.backward.counts) <= {"c10d.alltoall_base_"}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[4, 4], [7, 1], [8, 0], [0, 8]], ids=["even", "uneven", "empty-1", "empty-0"])
+def test_rfft2_placement_and_roundtrip_restore_the_split(domain_mesh, split):
+    x = torch.randn(2, 3, 8, 10)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    report = check_conformance(torch.fft.rfft2, [x], spec, expected_placements=[Shard(3)])
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 1}
+    X = torch.fft.rfft2(shard_tensor(x, domain_mesh, [Shard(2)], split))
+    assert [s[3] for s in X._spec.sharding_shapes()[0]] == [3, 3]  # balanced split of the 6 frequencies
+    y = torch.fft.irfft2(X, s=(8, 10))
+    assert tuple(y._spec.placements) == (Shard(2),)
+    assert [s[2] for s in y._spec.sharding_shapes()[0]] == split  # back to x's own uneven split
+    roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t, norm="ortho"), s=(8, 10), norm="ortho")
+    report = check_conformance(roundtrip, [x], spec)
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
+
+
+@pytest.mark.multirank(2)
+def test_transform_of_unsharded_dims_only_is_local(domain_mesh):
+    x = torch.randn(2, 6, 5, 4)
+    report = check_conformance(lambda t: torch.fft.rfft2(t), [x], ShardSpec(domain_mesh, [Shard(1)], [5, 1]))
+    assert report.comms.forward.total_calls == 0 and report.comms.backward.total_calls == 0
+
+
+@pytest.mark.multirank(2)
+def test_rfft_along_the_sharded_last_dim_uses_a_free_dim(domain_mesh):
+    x = torch.randn(2, 4, 9)
+    # The last (sharded) dim can't take the real-to-complex step first: it is moved to dim 1 and cut after.
+    check_conformance(lambda t: torch.fft.rfft2(t), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 3]),
+                      expected_placements=[Shard(1)])
+    # 1-D transform of the sharded dim: the shard goes to a non-transformed dim (the largest).
+    check_conformance(lambda t: torch.fft.rfft(t), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 3]),
+                      expected_placements=[Shard(1)])
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("name", ["rfft2", "irfft2", "fftn"])
+def test_four_ranks_with_tiny_and_empty_shards(domain_mesh, name):
+    x = _input_for(name, (1, 2, 9, 7))
+    check_conformance(getattr(torch.fft, name), [x], ShardSpec(domain_mesh, [Shard(2)], [5, 2, 1, 1]),
+                      expected_placements=None, atol=1e-4)
+    check_conformance(getattr(torch.fft, name), [x], ShardSpec(domain_mesh, [Shard(2)], [0, 6, 0, 3]),
+                      expected_placements=None, atol=1e-4)
+
+
+@pytest.mark.multirank(4)
+def test_pencil_decomposition_on_a_2x2_mesh(spatial_mesh):
+    x = torch.randn(2, 6, 5, 8)
+    spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [4, 2], 1: [1, 4]})
+    report = check_conformance(torch.fft.rfftn, [x], spec, kwargs={"dim": (1, 2, 3)},
+                               expected_placements=[Shard(2), Shard(3)])
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}  # one transpose per mesh dim
+    roundtrip = lambda t: torch.fft.irfftn(torch.fft.rfftn(t, dim=(1, 2, 3)), s=(6, 5, 8), dim=(1, 2, 3))
+    report = check_conformance(roundtrip, [x], spec)
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 4}
+
+
+@pytest.mark.multirank(4)
+def test_batch_sharded_over_ddp_is_untouched(ddp_domain_mesh):
+    x = torch.randn(4, 3, 8, 6)
+    spec = ShardSpec(ddp_domain_mesh, [Shard(0), Shard(2)], {0: [3, 1], 1: [5, 3]})
+    check_conformance(torch.fft.rfft2, [x], spec, expected_placements=[Shard(0), Shard(3)])
+
+
+@pytest.mark.multirank(2)
+def test_refusals_name_the_configuration(domain_mesh):
+    xs = shard_tensor(torch.randn(8), domain_mesh, [Shard(0)], [5, 3])
+    with pytest.raises(MissingShardPatch, match=r"torch.fft.fft over dims \(0,\).*no other dim is free"):
+        torch.fft.fft(xs)
+    ys = shard_tensor(torch.randn(2, 8), domain_mesh, [Shard(1)])
+    with pytest.raises(MissingShardPatch, match="out="):
+        torch.fft.fft(ys, out=torch.empty(2, 8, dtype=torch.complex64))
+    from physicsnemo.domain_parallel import ShardTensor
+
+    partial = ShardTensor.from_local(torch.randn(2, 8), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        torch.fft.rfft(partial)

@@ -1,0 +1,183 @@
+"""Tests of patches/finite_differences.py: torch.gradient and torch.diff along sharded dims by halo exchange."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.finite_differences import diff_output_sizes, sharded_diff, sharded_gradient
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, shard_tensor
+
+SHAPE = (2, 3, 17, 5)  # sharded along dim 2
+ROW_BYTES = 2 * 3 * 5 * 4  # one float32 row of dim 2
+COORDS = torch.cumsum(torch.rand(17, generator=torch.Generator().manual_seed(3)) + 0.2, 0)  # non-uniform
+
+
+def test_every_target_is_installed_by_the_plugin():
+    registry = physicsnemo_shardext.get_registry()
+    assert registry.provenance(torch.gradient).declaration.handler is sharded_gradient
+    assert registry.provenance(torch.diff).declaration.handler is sharded_diff
+    assert registry.provenance(torch.Tensor.diff).declaration.handler is sharded_diff
+
+
+def test_diff_output_sizes_trim_the_tail():
+    assert diff_output_sizes([10, 7], 2) == [10, 5]
+    assert diff_output_sizes([16, 1], 3) == [14, 0]
+    assert diff_output_sizes([4, 4], 9) == [0, 0]
+    assert diff_output_sizes([0, 5, 0], 1, prepend_rows=2, append_rows=1) == [2, 5, 0]
+
+
+GRADIENTS = {
+    "default": (lambda x: torch.gradient(x), 1),
+    "scalar-edge2": (lambda x: torch.gradient(x, spacing=0.5, dim=2, edge_order=2), 2),
+    "list-of-scalars": (lambda x: torch.gradient(x, spacing=[0.5, 2.0], dim=(-2, 3)), 1),
+    "coordinates-edge2": (lambda x: torch.gradient(x, spacing=(COORDS,), dim=2, edge_order=2), 2),
+    "coordinates-edge1": (lambda x: torch.gradient(x, spacing=[COORDS], dim=2), 1),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(GRADIENTS))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1], [0, 17]], ids=["uneven", "tiny", "empty"])
+def test_gradient_matches_single_process(domain_mesh, name, split):
+    fn, edge_order = GRADIENTS[name]
+    report = check_conformance(fn, [torch.randn(SHAPE)], ShardSpec(domain_mesh, [Shard(2)], split))
+    # One halo exchange for the sharded dim: the other rank wants at most edge_order + 1 of my rows.
+    assert report.comms.forward.total_bytes <= (edge_order + 1) * ROW_BYTES
+    assert report.comms.forward.counts in ({"c10d.alltoall_base_": 1}, {})
+    assert report.comms.backward.total_bytes <= (edge_order + 1) * ROW_BYTES
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("split", [[5, 4, 4, 4], [1, 1, 0, 15]], ids=["even", "tiny-and-empty"])
+def test_gradient_and_diff_on_four_ranks(domain_mesh, split):
+    x = torch.randn(SHAPE)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    check_conformance(lambda t: torch.gradient(t, dim=2, edge_order=2), [x], spec)
+    check_conformance(lambda t: torch.diff(t, n=3, dim=2), [x], spec)
+
+
+@pytest.mark.multirank(4)
+def test_gradient_and_diff_on_spatial_mesh(spatial_mesh):
+    x = torch.randn(1, 3, 9, 7)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [8, 1], 1: [1, 6]})
+    fn = lambda t: torch.gradient(t, spacing=[2.0, 0.5, 3.0], dim=(1, 2, 3), edge_order=2)  # noqa: E731
+    report = check_conformance(fn, [x], spec)
+    assert report.output_placements == [(Shard(2), Shard(3))] * 3
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}  # one halo exchange per sharded dim
+    check_conformance(lambda t: torch.diff(t, n=2, dim=3), [x], spec)
+
+
+DIFFS = {
+    "n1": lambda x: torch.diff(x, dim=2),
+    "n2-method": lambda x: x.diff(2, -2),
+    "n3": lambda x: torch.diff(x, n=3, dim=2),
+    "unsharded-dim": lambda x: torch.diff(x, n=2, dim=3),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(DIFFS))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1], [17, 0]], ids=["uneven", "tiny", "empty"])
+def test_diff_matches_single_process(domain_mesh, name, split):
+    report = check_conformance(DIFFS[name], [torch.randn(SHAPE)], ShardSpec(domain_mesh, [Shard(2)], split))
+    n = {"n1": 1, "n2-method": 2, "n3": 3, "unsharded-dim": 0}[name]
+    assert report.comms.forward.total_bytes <= n * ROW_BYTES  # a halo of n rows after each shard
+
+
+@pytest.mark.multirank(2)
+def test_diff_output_sizes_and_placements(domain_mesh):
+    x = shard_tensor(torch.randn(3, 17), domain_mesh, [Shard(1)], [16, 1])
+    y = torch.diff(x, n=2, dim=1)
+    assert y._spec.placements == (Shard(1),)
+    assert [s[1] for s in y._spec.sharding_shapes()[0]] == [15, 0]  # the tail rank loses the rows
+    z = torch.diff(x, n=20, dim=1)
+    assert z.shape == (3, 0)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[10, 7], [0, 17], [17, 0]], ids=["uneven", "empty-first", "empty-last"])
+def test_diff_with_prepend_and_append(domain_mesh, split):
+    x, before, after = torch.randn(SHAPE), torch.randn(2, 3, 2, 5), torch.randn(2, 3, 1, 5)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    check_conformance(lambda t, p, a: torch.diff(t, n=2, dim=2, prepend=p, append=a), [x, before, after],
+                      [spec, None, None])
+    check_conformance(lambda t, a: torch.diff(t, n=4, dim=2, append=a), [x, after], [spec, None])
+
+
+@pytest.mark.multirank(4)
+def test_diff_prepend_gradient_on_spatial_mesh(spatial_mesh):
+    full = torch.randn(1, 2, 9, 7, dtype=torch.float64, requires_grad=True)
+    before = torch.randn(1, 2, 9, 2, dtype=torch.float64, requires_grad=True)
+    after = torch.randn(1, 1, 9, 7, dtype=torch.float64, requires_grad=True)
+    x = shard_tensor(full.detach(), spatial_mesh, [Shard(2), Shard(3)], {0: [8, 1], 1: [1, 6]}, requires_grad=True)
+    before_sh, after_sh = before.detach().clone().requires_grad_(), after.detach().clone().requires_grad_()
+    weights = torch.randn(1, 2, 9, 8, dtype=torch.float64), torch.randn(1, 2, 9, 7, dtype=torch.float64)
+    y = torch.diff(x, dim=3, prepend=before_sh)  # along the sharded W
+    z = torch.diff(x, dim=1, append=after_sh)  # along an unsharded dim: local blocks of `after`
+    assert y._spec.placements == z._spec.placements == (Shard(2), Shard(3))
+    ref_y, ref_z = torch.diff(full, dim=3, prepend=before), torch.diff(full, dim=1, append=after)
+    torch.testing.assert_close(y.full_tensor(), ref_y)
+    torch.testing.assert_close(z.full_tensor(), ref_z)
+    w_y = shard_tensor(weights[0], spatial_mesh, [Shard(2), Shard(3)], {0: [8, 1], 1: [3, 5]})
+    w_z = shard_tensor(weights[1], spatial_mesh, [Shard(2), Shard(3)], {0: [8, 1], 1: [1, 6]})
+    ((y.to_local() * w_y.to_local()).sum() + (z.to_local() * w_z.to_local()).sum()).backward()
+    ((ref_y * weights[0]).sum() + (ref_z * weights[1]).sum()).backward()
+    torch.testing.assert_close(x.grad.full_tensor(), full.grad)
+    torch.testing.assert_close(before_sh.grad, before.grad)  # partial per rank, all-reduced by the bridge
+    torch.testing.assert_close(after_sh.grad, after.grad)
+
+
+class FallbackCommCounter(CommCounter):
+    """CommCounter that also sees the collectives issued inside DTensor's dispatch (the fallback's gathers).
+
+    A dispatch mode is switched off while it handles an op; deferring ops on distributed
+    subclasses (NotImplemented) keeps it active while DTensor redistributes.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, (DTensor, ShardTensor)) for t in types):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.multirank(2)
+def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
+    full = torch.randn(2, 4, 64, 8)
+    x = shard_tensor(full, domain_mesh, [Shard(2)], [32, 32])  # the fallback aborts gloo on uneven splits
+    row = 2 * 4 * 8 * 4
+    cases = [
+        (lambda t: torch.gradient(t, dim=2, edge_order=2)[0], 1 * row),
+        (lambda t: torch.diff(t, n=2, dim=2), 2 * row),
+    ]
+    for fn, bound in cases:
+        with torch.no_grad(), FallbackCommCounter() as patched:
+            fn(x)
+        with physicsnemo_shardext.disabled(plugins=["finite_differences"]), torch.no_grad(), \
+                FallbackCommCounter() as fallback:
+            fn(x)
+        assert fallback.stats.total_bytes >= 32 * row  # the fallback all-gathers the activation
+        assert patched.stats.total_bytes <= bound < fallback.stats.total_bytes
+
+
+@pytest.mark.multirank(2)
+def test_refused_configurations_and_torch_errors(domain_mesh, rank):
+    x = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
+    partial = ShardTensor.from_local(torch.full((2, 3), float(rank)), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        torch.gradient(partial)
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        torch.diff(partial, dim=0)
+    with pytest.raises(MissingShardPatch, match="coordinate tensors that require grad"):
+        torch.gradient(x, spacing=[torch.arange(4.0, requires_grad=True)], dim=0)
+    with pytest.raises(MissingShardPatch, match="prepend as a ShardTensor"):
+        torch.diff(x, dim=0, prepend=x)
+    short = shard_tensor(torch.randn(2, 6), domain_mesh, [Shard(0)], [1, 1])
+    with pytest.raises(RuntimeError, match="edge_order"):  # torch's own error, on every rank, before any exchange
+        torch.gradient(short, dim=0, edge_order=2)
+    with pytest.raises(RuntimeError, match="prepend"):
+        torch.diff(x, dim=0, prepend=torch.randn(1, 5))

@@ -1,0 +1,63 @@
+"""Tests of the first-party linear plugin (patches/linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.linear import sharded_linear
+from physicsnemo_shardext.testing import ConformanceError, ShardSpec, check_conformance, shard_tensor
+
+
+def test_linear_override_is_installed_with_provenance():
+    record = physicsnemo_shardext.get_registry().provenance(F.linear)
+    assert record.declaration.handler is sharded_linear
+    assert record.overrides_builtin and record.replaced is physicsnemo_shardext.builtin_handler(F.linear)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[9, 8], [16, 1]], ids=["uneven", "tiny-shard"])
+@pytest.mark.parametrize("shape, dim", [((1, 17, 8), 1), ((2, 17, 5, 8), 1)], ids=["3d", "4d-trailing"])
+def test_linear_matches_single_process_with_replicate_reduced_grads(domain_mesh, split, shape, dim):
+    layer = torch.nn.Linear(8, 3)
+    report = check_conformance(layer, [torch.randn(*shape)], ShardSpec(domain_mesh, [Shard(dim)], split))
+    assert report.comms.forward.total_calls == 0  # rows are independent
+    assert set(report.comms.backward.counts) <= {"c10d.allreduce_", "_c10d_functional.all_reduce"}
+
+
+@pytest.mark.multirank(2)
+def test_plain_parameters_get_full_gradients(domain_mesh):
+    check_conformance(torch.nn.Linear(8, 2, bias=False), [torch.randn(1, 11, 8)],
+                      ShardSpec(domain_mesh, [Shard(1)], [6, 5]), params="plain")
+
+
+@pytest.mark.multirank(4)
+def test_linear_on_ddp_domain_mesh_reduces_only_over_the_domain(ddp_domain_mesh):
+    x = torch.randn(2, 13, 8)
+    check_conformance(torch.nn.Linear(8, 4), [x], ShardSpec(ddp_domain_mesh, [Replicate(), Shard(1)], {1: [10, 3]}))
+
+
+@pytest.mark.multirank(2)
+def test_builtin_leaves_partial_gradients_that_the_override_fixes(domain_mesh):
+    x = torch.randn(1, 9, 8)
+    spec = ShardSpec(domain_mesh, [Shard(1)], [5, 4])
+    with physicsnemo_shardext.disabled(plugins=["linear"]):
+        with pytest.raises(ConformanceError, match="expected Replicate"):
+            check_conformance(torch.nn.Linear(8, 3), [x], spec, count_comms=False)
+    check_conformance(torch.nn.Linear(8, 3), [x], spec, count_comms=False)
+
+
+@pytest.mark.multirank(2)
+def test_refusals_name_the_configuration(domain_mesh, rank):
+    partial = ShardTensor.from_local(torch.randn(3, 8), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        F.linear(partial, torch.randn(2, 8))
+    xs = shard_tensor(torch.randn(1, 6, 8), domain_mesh, [Shard(1)], [3, 3])
+    sharded_weight = shard_tensor(torch.randn(4, 8), domain_mesh, [Shard(0)], [2, 2])
+    with pytest.raises(MissingShardPatch, match="weight with placements"):
+        F.linear(xs, sharded_weight)

@@ -1,0 +1,131 @@
+"""Tests of the misc_ops plugin (patches/misc_ops.py): permute, transpose, contiguous/clone, cat, prelu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Replicate, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.misc_ops import cat_local, prelu_local
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
+
+
+def _channel_layer_norm(x: torch.Tensor) -> torch.Tensor:
+    # UNet's ReshapedLayerNorm: merge spatial dims, move channels last, normalize, move back.
+    shape = x.shape
+    y = x.view(shape[0], shape[1], -1).transpose(1, 2).contiguous()
+    y = F.layer_norm(y, (shape[1],))
+    return y.transpose(1, 2).contiguous().view(shape)
+
+
+def _pixel_shuffle_3d(x: torch.Tensor) -> torch.Tensor:
+    # SRResNet's PixelShuffle3d(2) (view / permute / contiguous / view).
+    b, c, d, h, w = x.shape
+    y = x.contiguous().view(b, c // 8, 2, 2, 2, d, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous()
+    return y.view(b, c // 8, 2 * d, 2 * h, 2 * w)
+
+
+CASES = {
+    "permute": lambda x: x.permute(0, 2, 4, 1, 3) * 1.5,
+    "torch_permute": lambda x: torch.permute(x, (2, 0, 1, 3, 4)) * 1.5,
+    "transpose": lambda x: x.transpose(1, 2) * 1.5,
+    "torch_transpose_negative": lambda x: torch.transpose(x, -3, -1) * 1.5,
+    "contiguous_after_permute": lambda x: x.permute(0, 2, 1, 3, 4).contiguous() * 1.5,
+    "clone": lambda x: x.clone() * 1.5,
+    "cat_channels": lambda x: torch.cat([x, 3 * x, x * x], dim=1),
+    "pixel_shuffle_3d": _pixel_shuffle_3d,
+}
+
+
+def _expected(name: str, placements: list) -> list:
+    """Placements of each case's output, given the input's."""
+    moves = {
+        "permute": [0, 2, 4, 1, 3],
+        "torch_permute": [2, 0, 1, 3, 4],
+        "transpose": [0, 2, 1, 3, 4],
+        "torch_transpose_negative": [0, 1, 4, 3, 2],
+        "contiguous_after_permute": [0, 2, 1, 3, 4],
+    }
+    if name not in moves:
+        return placements
+    order = moves[name]
+    return [Shard(order.index(p.dim)) if isinstance(p, Shard) else p for p in placements]
+
+
+def test_every_target_is_installed_by_the_plugin():
+    registry = physicsnemo_shardext.get_registry()
+    for target in (torch.cat, F.prelu, torch.Tensor.permute, torch.Tensor.transpose, torch.Tensor.contiguous):
+        record = registry.provenance(target)
+        assert record is not None and record.plugin.name == "misc_ops"
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layout_op_on_uneven_rows(domain_mesh, name):
+    # 7 rows split 5 + 2: even chunking would say 4 + 3, so a fallback that re-chunks fails here.
+    x = torch.randn(1, 8, 7, 3, 2)
+    placements = [Shard(2)]
+    report = check_conformance(
+        CASES[name], [x], ShardSpec(domain_mesh, placements, [5, 2]), expected_placements=_expected(name, placements)
+    )
+    assert report.comms.forward.total_calls == 0
+
+
+@pytest.mark.multirank(2)
+def test_channel_layer_norm_keeps_the_split(domain_mesh):
+    x = torch.randn(1, 4, 7, 3, 2)
+    check_conformance(_channel_layer_norm, [x], ShardSpec(domain_mesh, [Shard(2)], [5, 2]))
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("name", ["permute", "transpose", "cat_channels", "pixel_shuffle_3d"])
+def test_layout_op_on_2d_spatial_mesh(spatial_mesh, name):
+    x = torch.randn(1, 8, 7, 5, 2)
+    placements = [Shard(2), Shard(3)]
+    check_conformance(
+        CASES[name], [x], ShardSpec(spatial_mesh, placements, {0: [5, 2], 1: [1, 4]}),
+        expected_placements=_expected(name, placements),
+    )
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("num_parameters", [1, 4])
+def test_prelu_reduces_the_weight_gradient(domain_mesh, num_parameters):
+    prelu = torch.nn.PReLU(num_parameters, init=0.3)
+    x = torch.randn(1, 4, 7, 3)
+    report = check_conformance(prelu, [x], ShardSpec(domain_mesh, [Shard(2)], [6, 1]))
+    assert report.comms.forward.total_calls == 0
+    assert report.comms.backward.counts == {"c10d.allreduce_": 1}  # the weight gradient, nothing else
+
+
+@pytest.mark.multirank(4)
+def test_prelu_on_2d_spatial_mesh(spatial_mesh):
+    prelu = torch.nn.PReLU(2, init=-0.2)
+    x = torch.randn(1, 2, 7, 5)
+    check_conformance(prelu, [x], ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [3, 4], 1: [5, 0]}))
+
+
+@pytest.mark.multirank(2)
+def test_cat_refuses_what_it_cannot_do(domain_mesh):
+    x = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [5, 2])
+    other_split = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [4, 3])
+    with pytest.raises(MissingShardPatch, match="sharded dim 2"):
+        cat_local(torch.cat, (), ([x, x], 2), {})
+    with pytest.raises(MissingShardPatch, match="sharded differently"):
+        cat_local(torch.cat, (), ([x, other_split], 1), {})
+    with pytest.raises(MissingShardPatch, match="every input must be a ShardTensor"):
+        cat_local(torch.cat, (), ([x, torch.randn(1, 2, 7)],), {"dim": 1})
+
+
+@pytest.mark.multirank(2)
+def test_prelu_refuses_a_sharded_weight(domain_mesh):
+    x = shard_tensor(torch.randn(1, 4, 6), domain_mesh, [Shard(2)], [4, 2])
+    weight = ShardTensor.from_local(torch.ones(2), domain_mesh, [Shard(0)], sharding_shapes={0: ((2,), (2,))})
+    with pytest.raises(MissingShardPatch, match="weight must be replicated"):
+        prelu_local(F.prelu, (), (x, weight), {})
+    replicated = ShardTensor.from_local(torch.ones(1), domain_mesh, [Replicate()], sharding_shapes={})
+    assert prelu_local(F.prelu, (), (x, replicated), {}).to_local().shape == x.to_local().shape

@@ -1,0 +1,145 @@
+"""Tests of the padding plugin (patches/padding.py): F.pad on sharded dims, circular included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.padding import sharded_pad
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
+
+
+def test_plugin_overrides_the_builtin_pad():
+    record = physicsnemo_shardext.get_registry().provenance(F.pad)
+    assert record is not None and record.declaration.handler is sharded_pad
+
+
+def test_docstring_examples():
+    import doctest
+
+    from physicsnemo_shardext.patches import padding
+
+    result = doctest.testmod(padding)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def _pad(pad, mode, value=None):
+    def fn(x):
+        return F.pad(x, pad, mode=mode, value=value) if mode == "constant" else F.pad(x, pad, mode=mode)
+
+    fn.__name__ = f"pad_{mode}"
+    return fn
+
+
+def _sizes(y: ShardTensor, mesh_dim: int, dim: int) -> list[int]:
+    return [s[dim] for s in y._spec.sharding_shapes()[mesh_dim]]
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize(
+    ("mode", "split"),
+    [("circular", [16, 1]), ("circular", [1, 16]), ("reflect", [1, 16]), ("replicate", [16, 1]), ("constant", [10, 7])],
+    ids=["circular-tiny-last", "circular-tiny-first", "reflect-tiny-first", "replicate-tiny-last", "constant-uneven"],
+)
+def test_pad_along_sharded_and_unsharded_dims(domain_mesh, mode, split):
+    # Pads of 3 on the sharded dim reach past a 1-row boundary shard: rows come from the far rank.
+    x = torch.randn(2, 3, 17, 5, dtype=torch.float64)
+    report = check_conformance(_pad((1, 2, 3, 2), mode, 0.5), [x], ShardSpec(domain_mesh, [Shard(2)], split))
+    assert report.output_placements == [(Shard(2),)]
+
+
+@pytest.mark.multirank(2)
+def test_circular_output_grows_on_boundary_shards_and_moves_only_wrap_rows(domain_mesh):
+    x = torch.randn(1, 4, 17, 6)
+    spec = ShardSpec(domain_mesh, [Shard(2)], [10, 7])
+    xs = shard_tensor(x, domain_mesh, [Shard(2)], [10, 7])
+    y = F.pad(xs, (0, 0, 2, 3), mode="circular")
+    assert _sizes(y, 0, 2) == [12, 10] and y.shape == (1, 4, 22, 6)
+    torch.testing.assert_close(y.full_tensor(), F.pad(x, (0, 0, 2, 3), mode="circular"))
+    comms = measure_comms(_pad((0, 0, 2, 3), "circular"), [x], spec)
+    # Bound: rank 0 sends its 3 first rows to rank 1; rank 1 sends its 2 last rows (row = 4*6 floats).
+    row_bytes = 4 * 6 * 4
+    assert comms.forward.counts == {"c10d.alltoall_base_": 1}
+    assert comms.forward.total_bytes <= 3 * row_bytes
+    assert comms.backward.total_bytes <= 3 * row_bytes
+    # The built-in refuses circular padding outright.
+    with physicsnemo_shardext.disabled(plugins=["padding"]):
+        with pytest.raises(Exception, match="[Cc]ircular"):
+            F.pad(xs, (0, 0, 2, 3), mode="circular")
+
+
+@pytest.mark.multirank(2)
+def test_dtensor_fallback_is_no_alternative(domain_mesh):
+    # What the patch replaces, without it and without the built-in (pure DTensor fallback):
+    # circular pad comes back Replicate and wrong (each rank wraps its own shard, no
+    # communication); reflect/replicate have no sharding strategy at all.
+    x = torch.randn(1, 4, 17, 6)
+    xs = shard_tensor(x, domain_mesh, [Shard(2)], [10, 7])
+    with physicsnemo_shardext.disabled(targets=[F.pad]):
+        y = F.pad(xs, (0, 0, 3, 3), mode="circular")
+        assert not torch.allclose(y.full_tensor(), F.pad(x, (0, 0, 3, 3), mode="circular"))
+        for mode in ("reflect", "replicate"):
+            with pytest.raises(NotImplementedError, match="sharding strategy"):
+                F.pad(xs, (0, 0, 3, 3), mode=mode)
+    y = F.pad(xs, (0, 0, 3, 3), mode="reflect")
+    torch.testing.assert_close(y.full_tensor(), F.pad(x, (0, 0, 3, 3), mode="reflect"))
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("split", [[5, 4, 4, 4], [1, 14, 1, 1]], ids=["even-ish", "tiny"])
+def test_circular_on_four_ranks_wider_than_neighbours(domain_mesh, split):
+    x = torch.randn(2, 2, 17)
+    check_conformance(_pad((3, 2), "circular"), [x], ShardSpec(domain_mesh, [Shard(2)], split))
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("mode", ["circular", "reflect"])
+def test_pad_both_dims_of_a_2d_mesh(spatial_mesh, mode):
+    x = torch.randn(1, 2, 9, 7)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 3], 1: [2, 5]})
+    report = check_conformance(_pad((2, 1, 1, 2), mode), [x], spec)
+    assert report.output_placements == [(Shard(2), Shard(3))]
+
+
+@pytest.mark.multirank(4)
+def test_pad_on_ddp_domain_mesh(ddp_domain_mesh):
+    x = torch.randn(2, 2, 11, 6)
+    spec = ShardSpec(ddp_domain_mesh, [Replicate(), Shard(2)], {1: [8, 3]})
+    check_conformance(_pad((1, 1, 2, 2), "circular"), [x], spec)
+    check_conformance(_pad((1, 1, 2, 2), "constant", 0.0), [x], spec)
+
+
+@pytest.mark.multirank(2)
+def test_complex_spectrum_padding(domain_mesh):
+    # FNO-style: zero-pad a complex spectrum along a sharded dim (local), and a periodic variant.
+    x = torch.randn(1, 2, 9, 5, dtype=torch.complex64)
+    spec = ShardSpec(domain_mesh, [Shard(2)], [6, 3])
+    report = check_conformance(_pad((0, 3, 0, 4), "constant", 0.0), [x], spec)
+    assert report.comms.forward.total_calls == 0
+    check_conformance(_pad((0, 3, 2, 4), "circular"), [x], spec)
+
+
+@pytest.mark.multirank(2)
+def test_constant_crop_on_sharded_dim(domain_mesh):
+    x = torch.randn(1, 2, 17, 5)
+    # Plain crop; a crop wider than the first shard (11 > 10 rows); crop and pad mixed.
+    for pad in [(0, 0, -3, -8), (0, 0, -11, 2), (1, -2, 2, -1)]:
+        report = check_conformance(_pad(pad, "constant", 1.5), [x], ShardSpec(domain_mesh, [Shard(2)], [10, 7]))
+        assert report.comms.forward.total_calls == 0
+
+
+@pytest.mark.multirank(2)
+def test_refusals(domain_mesh, rank):
+    xs = shard_tensor(torch.randn(1, 2, 9, 4), domain_mesh, [Shard(2)], [5, 4])
+    with pytest.raises(MissingShardPatch, match="negative pads.*circular"):
+        F.pad(xs, (0, 0, -1, 2), mode="circular")
+    partial = ShardTensor.from_local(torch.randn(1, 2, 3, 4), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        F.pad(partial, (1, 1), mode="constant")
+    with pytest.raises(RuntimeError, match="wrapping around more than once"):
+        F.pad(xs, (0, 0, 10, 0), mode="circular")  # torch's own error, from the global shape

@@ -1,0 +1,188 @@
+"""Tests of the pooling plugin (patches/pooling.py): windows across uneven shards, adaptive pooling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.pooling import adaptive_pool_handler, pool_handler
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
+
+POOLS = {
+    "max-k2-odd-shards": lambda x: F.max_pool2d(x, 2),
+    "max-k3-s2-p1": lambda x: F.max_pool2d(x, 3, stride=2, padding=1),
+    "max-k3-s1-dil2-ceil": lambda x: F.max_pool2d(x, (3, 2), stride=(1, 2), dilation=(2, 1), ceil_mode=True),
+    "avg-k3-s2-p1-nopad-ceil": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+    "avg-k4-s3-p2-incl-ceil": lambda x: F.avg_pool2d(x, 4, 3, 2, ceil_mode=True),
+    "avg-k2-s1-divisor": lambda x: F.avg_pool2d(x, 2, 1, divisor_override=3),
+}
+
+
+def test_every_pool_is_installed_by_the_plugin():
+    registry = physicsnemo_shardext.get_registry()
+    for target, handler in [(F.max_pool2d, pool_handler), (F.avg_pool3d, pool_handler),
+                            (F.max_pool1d_with_indices, pool_handler), (F.adaptive_max_pool3d, adaptive_pool_handler),
+                            (F.adaptive_avg_pool1d, adaptive_pool_handler)]:
+        record = registry.provenance(target)
+        assert record is not None and record.declaration.handler is handler
+    assert registry.provenance(F.max_pool2d).overrides_builtin
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(POOLS))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1]], ids=["uneven", "tiny"])
+def test_pool_matches_single_process(domain_mesh, name, split):
+    x = torch.randn(2, 3, 17, 6, dtype=torch.float64)
+    report = check_conformance(POOLS[name], [x], ShardSpec(domain_mesh, [Shard(2)], split))
+    # Windows only reach right: at most (effective kernel - 1) rows of 2*3*6 doubles cross.
+    row_bytes = 2 * 3 * 6 * 8
+    assert report.comms.forward.total_bytes <= 4 * row_bytes
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("dims", [1, 3])
+def test_1d_and_3d_pools_and_unbatched_input(domain_mesh, dims):
+    if dims == 1:
+        x, spec_dim = torch.randn(3, 13, dtype=torch.float64), 1  # unbatched (C, L)
+        fns = [lambda t: F.max_pool1d(t, 3, 2, 1, ceil_mode=True), lambda t: F.avg_pool1d(t, 3, 2, 1, count_include_pad=False)]
+    else:
+        x, spec_dim = torch.randn(1, 2, 9, 4, 5, dtype=torch.float64), 2
+        fns = [lambda t: F.max_pool3d(t, 3, 2, 1), lambda t: F.avg_pool3d(t, (2, 3, 2), (3, 1, 2), ceil_mode=True)]
+    for fn in fns:
+        check_conformance(fn, [x], ShardSpec(domain_mesh, [Shard(spec_dim)], [x.shape[spec_dim] - 2, 2]))
+
+
+@pytest.mark.multirank(2)
+def test_max_pool_indices_are_global_and_modules_work(domain_mesh):
+    x = torch.randn(2, 3, 17, 6, dtype=torch.float64)
+    xs = shard_tensor(x, domain_mesh, [Shard(2)], [10, 7])
+    values, indices = F.max_pool2d(xs, 3, 2, 1, return_indices=True)
+    ref_values, ref_indices = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+    assert torch.equal(values.full_tensor(), ref_values) and torch.equal(indices.full_tensor(), ref_indices)
+    assert indices.to_local().shape[2] == [6, 3][xs._spec.mesh.get_coordinate()[0]]  # windows start at -1,1,..,9 / 11,13,15
+    # Round trip through max_unpool with global indices (a plain-tensor op on the full tensors).
+    torch.testing.assert_close(F.max_unpool2d(values.full_tensor(), indices.full_tensor(), 3, 2, 1, output_size=x.shape[2:]),
+                               F.max_unpool2d(ref_values, ref_indices, 3, 2, 1, output_size=x.shape[2:]))
+    check_conformance(torch.nn.MaxPool1d(3, 2, return_indices=True), [torch.randn(2, 3, 11)],
+                      ShardSpec(domain_mesh, [Shard(2)], [4, 7]))
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("split", [[5, 4, 4, 4], [1, 8, 0, 8], [15, 1, 0, 1]], ids=["even-ish", "empty-shard", "tiny"])
+def test_pools_on_four_ranks_with_empty_and_one_row_shards(domain_mesh, split):
+    x = torch.randn(1, 2, 17, 5, dtype=torch.float64)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    check_conformance(POOLS["max-k3-s1-dil2-ceil"], [x], spec)
+    check_conformance(POOLS["avg-k3-s2-p1-nopad-ceil"], [x], spec)
+
+
+@pytest.mark.multirank(4)
+def test_pools_on_2d_spatial_mesh(spatial_mesh):
+    x = torch.randn(1, 2, 11, 9, dtype=torch.float64)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 5], 1: [2, 7]})
+    check_conformance(POOLS["max-k3-s2-p1"], [x], spec)
+    check_conformance(POOLS["avg-k4-s3-p2-incl-ceil"], [x], spec)
+    check_conformance(lambda t: F.adaptive_max_pool2d(t, (4, 3), return_indices=True), [x], spec)
+    check_conformance(lambda t: F.adaptive_avg_pool2d(t, 1), [x], spec, expected_placements=[Replicate(), Replicate()])
+
+
+ADAPTIVE = {
+    "avg-5": lambda x: F.adaptive_avg_pool2d(x, (5, 4)),
+    "avg-none-3": lambda x: F.adaptive_avg_pool2d(x, (None, 3)),
+    "avg-up-23": lambda x: F.adaptive_avg_pool2d(x, (23, 2)),
+    "max-5-indices": lambda x: F.adaptive_max_pool2d(x, (5, 4), return_indices=True),
+    "max-7": lambda x: F.adaptive_max_pool2d(x, 7),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(ADAPTIVE))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1]], ids=["uneven", "tiny"])
+def test_adaptive_pool_matches_single_process(domain_mesh, name, split):
+    x = torch.randn(2, 3, 17, 6, dtype=torch.float64)
+    check_conformance(ADAPTIVE[name], [x], ShardSpec(domain_mesh, [Shard(2)], split))
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_global_adaptive_pool_all_reduces_channels_only(domain_mesh, dims):
+    shape = {1: (2, 3, 17), 2: (2, 3, 17, 4), 3: (2, 3, 17, 3, 2)}[dims]
+    x = torch.randn(shape, dtype=torch.float64)
+    spec = ShardSpec(domain_mesh, [Shard(2)], [6, 1, 0, 10])
+    avg = getattr(F, f"adaptive_avg_pool{dims}d")
+    mx = getattr(F, f"adaptive_max_pool{dims}d")
+    out = (1,) + (2,) * (dims - 1)
+    report = check_conformance(lambda t: avg(t, out), [x], spec, expected_placements=[Replicate()])
+    per_output = 2 * 3 * 2 ** (dims - 1) * 8  # batch x channels x other output sizes, doubles
+    assert report.comms.forward.total_bytes == per_output  # one all-reduce of the result
+    report = check_conformance(lambda t: mx(t, out, return_indices=True), [x], spec, expected_placements=[[Replicate()]] * 2)
+    assert report.comms.forward.total_bytes == 3 * per_output  # max, tie-break index, winner's value
+
+
+@pytest.mark.multirank(2)
+def test_global_adaptive_max_ties_resolve_like_pytorch(domain_mesh):
+    # Equal maxima on both ranks and inside rows: PyTorch picks the first in row-major order.
+    x = torch.zeros(1, 1, 6, 4, dtype=torch.float64)
+    x[0, 0, 4, 0] = x[0, 0, 1, 3] = x[0, 0, 1, 1] = 5.0
+    spec = ShardSpec(domain_mesh, [Shard(3)], [2, 2])  # width sharded: rank 1 holds (1,3), rank 0 (1,1)
+    report = check_conformance(lambda t: F.adaptive_max_pool2d(t, 1, return_indices=True), [x], spec,
+                               expected_placements=[[Replicate()]] * 2)
+    xs = shard_tensor(x, domain_mesh, [Shard(3)], [2, 2])
+    assert F.adaptive_max_pool2d(xs, 1, return_indices=True)[1].full_tensor().item() == 5  # row 1, col 1
+    assert report.max_abs_errors
+
+
+@pytest.mark.multirank(2)
+def test_patch_moves_less_than_dtensor_fallback(domain_mesh, rank):
+    x = torch.randn(2, 4, 16, 8)
+    spec = ShardSpec(domain_mesh, [Shard(2)], [8, 8])  # even: the fallback's forward works here
+    xs = shard_tensor(x, domain_mesh, [Shard(2)], [8, 8])
+    shard_bytes = xs.to_local().nbytes
+    cases = [(lambda t: F.max_pool2d(t, 3, 1, 1), F.max_pool2d), (lambda t: F.adaptive_avg_pool2d(t, 3), F.adaptive_avg_pool2d),
+             (lambda t: F.adaptive_max_pool2d(t, 1), F.adaptive_max_pool2d)]
+    for fn, target in cases:
+        patched = measure_comms(fn, [x], spec)
+        with physicsnemo_shardext.disabled(targets=[target]):
+            fallback = fn(xs)
+        # The fallback gathers the whole input (its output comes back Replicate), so each rank hands
+        # over at least its shard; CommCounter cannot see collectives issued inside DTensor's dispatch.
+        assert fallback._spec.placements == (Replicate(),)
+        torch.testing.assert_close(fallback.full_tensor(), fn(x))
+        assert patched.forward.total_bytes < shard_bytes / 2, patched.forward
+    # Rank 0 computes output rows 0..8 (windows starting at rows <= 7) and needs input rows 8, 9 from rank 1.
+    assert measure_comms(cases[0][0], [x], spec).forward.total_bytes == [0, 2 * (2 * 4 * 8 * 4)][rank]
+
+
+@pytest.mark.multirank(2)
+def test_disjoint_windows_delegate_to_builtin_without_communication(domain_mesh):
+    calls = []
+    original = physicsnemo_shardext.builtin_handler
+    builtin = original(F.max_pool2d)
+
+    def spy(target):
+        return lambda *a: calls.append(1) or builtin(*a)
+
+    # Patched by hand (restored in finally): pool workers outlive a test's monkeypatch fixture.
+    physicsnemo_shardext.builtin_handler = spy
+    try:
+        x = torch.randn(1, 2, 16, 6)
+        report = check_conformance(lambda t: F.max_pool2d(t, 2), [x], ShardSpec(domain_mesh, [Shard(2)], [10, 6]))
+        assert calls and report.comms.forward.total_calls == 0
+        calls.clear()
+        check_conformance(lambda t: F.max_pool2d(t, 2), [x], ShardSpec(domain_mesh, [Shard(2)], [9, 7]))
+        assert not calls  # odd local sizes: the window path, not the built-in
+    finally:
+        physicsnemo_shardext.builtin_handler = original
+
+
+@pytest.mark.multirank(2)
+def test_partial_input_is_refused(domain_mesh, rank):
+    partial = ShardTensor.from_local(torch.randn(1, 2, 4, 4), domain_mesh, [Partial()], sharding_shapes={})
+    for fn in (lambda t: F.max_pool2d(t, 3, 1), lambda t: F.adaptive_avg_pool2d(t, 1)):
+        with pytest.raises(MissingShardPatch, match="Partial"):
+            fn(partial)

@@ -1,0 +1,196 @@
+"""Tests of patches/softmax_cumsum.py: softmax family and cumsum along sharded dims, O(statistics) comms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.patches.softmax_cumsum import CUMSUM_TARGETS, SOFTMAX_TARGETS, sharded_cumsum, sharded_softmax
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, shard_tensor
+
+SHAPE = (2, 3, 17, 5)  # sharded along dim 2
+STAT_ROW_BYTES = 2 * 3 * 5 * 4  # one float32 statistic per (batch, channel, width) row
+
+
+def test_every_target_is_installed_by_the_plugin():
+    registry = physicsnemo_shardext.get_registry()
+    for target in SOFTMAX_TARGETS:
+        assert registry.provenance(target).declaration.handler is sharded_softmax
+    for target in CUMSUM_TARGETS:
+        assert registry.provenance(target).declaration.handler is sharded_cumsum
+
+
+SOFTMAXES = {
+    "F.softmax": lambda x: F.softmax(x, dim=2),
+    "nn.Softmax": torch.nn.Softmax(dim=-2),
+    "torch.log_softmax": lambda x: torch.log_softmax(x, 2),
+    "nn.LogSoftmax": torch.nn.LogSoftmax(dim=2),
+    "method-softmax-dtype": lambda x: x.softmax(2, dtype=torch.float64),
+    "F.softmin": lambda x: F.softmin(x, 2),
+    "special.log_softmax": lambda x: torch.special.log_softmax(x, 2),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(SOFTMAXES))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1], [17, 0]], ids=["uneven", "tiny", "empty"])
+def test_softmax_family_along_sharded_dim(domain_mesh, name, split):
+    x = torch.randn(SHAPE) * 4
+    report = check_conformance(SOFTMAXES[name], [x], ShardSpec(domain_mesh, [Shard(2)], split))
+    # Bound: one MAX and one SUM all_reduce of a row of statistics (x.numel() / 17 values, float64 with dtype=).
+    stat_bytes = STAT_ROW_BYTES * (2 if "dtype" in name else 1)
+    assert report.comms.forward.total_bytes <= 2 * stat_bytes
+    assert report.comms.forward.counts == {"c10d.allreduce_": 2}
+    assert report.comms.backward.total_bytes <= stat_bytes  # gradient of the global sum
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("split", [[5, 4, 4, 4], [1, 15, 0, 1]], ids=["even", "tiny-and-empty"])
+def test_softmax_on_four_ranks_and_unsharded_dim_is_local(domain_mesh, split):
+    x = torch.randn(SHAPE)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    check_conformance(lambda t: F.log_softmax(t, dim=2), [x], spec)
+    local = check_conformance(lambda t: torch.softmax(t, dim=3), [x], spec)
+    assert local.comms.forward.total_calls == 0 and local.comms.backward.total_calls == 0
+
+
+@pytest.mark.multirank(4)
+def test_softmax_on_spatial_mesh_uses_only_its_mesh_dim(spatial_mesh):
+    x = torch.randn(1, 2, 9, 7)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 3], 1: [2, 5]})
+    report = check_conformance(lambda t: F.softmax(t, dim=3), [x], spec)
+    assert report.comms.forward.total_bytes <= 2 * (1 * 2 * 9 * 4)  # a row of stats for the full H, at most
+
+
+@pytest.mark.multirank(2)
+def test_softmax_keeps_extremes_like_torch(domain_mesh):
+    full = torch.tensor([[-float("inf")] * 5, [1e4, -1e4, 0.0, 3.0, 1e4 - 1]]).T.contiguous()  # dim 0 sharded
+    x = shard_tensor(full, domain_mesh, [Shard(0)], [2, 3])
+    torch.testing.assert_close(torch.softmax(x, 0).full_tensor(), torch.softmax(full, 0), equal_nan=True)
+
+
+CUMSUMS = {
+    "torch.cumsum": lambda x: torch.cumsum(x, 2),
+    "method-negative-dim": lambda x: x.cumsum(dim=-2),
+    "dtype": lambda x: torch.cumsum(x, 2, dtype=torch.float64),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CUMSUMS))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1], [0, 17]], ids=["uneven", "tiny", "empty"])
+def test_cumsum_along_sharded_dim(domain_mesh, name, split):
+    x = torch.randn(SHAPE)
+    report = check_conformance(CUMSUMS[name], [x], ShardSpec(domain_mesh, [Shard(2)], split), atol=1e-4)
+    row_bytes = STAT_ROW_BYTES * (2 if name == "dtype" else 1)
+    assert report.comms.forward.counts == {"c10d.allgather_": 1}
+    assert report.comms.forward.total_bytes == row_bytes  # this rank's total: one row
+    assert report.comms.backward.total_bytes == row_bytes
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("split", [[5, 4, 4, 4], [3, 0, 1, 13]], ids=["even", "empty-and-tiny"])
+def test_cumsum_on_four_ranks_and_unsharded_dim(domain_mesh, split):
+    x = torch.randn(SHAPE)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    check_conformance(lambda t: t.cumsum(2), [x], spec, atol=1e-4)
+    local = check_conformance(lambda t: torch.cumsum(t, 1), [x], spec)
+    assert local.comms.forward.total_calls == 0
+
+
+@pytest.mark.multirank(4)
+def test_cumsum_of_integers_on_ddp_domain_mesh(ddp_domain_mesh):
+    full = torch.randint(-5, 5, (2, 11, 3))
+    x = shard_tensor(full, ddp_domain_mesh, [Replicate(), Shard(1)], {1: [8, 3]})
+    y = torch.cumsum(x, 1)
+    assert y.dtype == torch.int64 and y._spec.placements == (Replicate(), Shard(1))
+    assert [s[1] for s in y._spec.sharding_shapes()[1]] == [8, 3]
+    assert torch.equal(y.full_tensor(), torch.cumsum(full, 1))
+
+
+def _splits(total: int, parts: int) -> st.SearchStrategy[list[int]]:
+    cuts = st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1).map(sorted)
+    return cuts.map(lambda c: [b - a for a, b in zip([0, *c], [*c, total])])
+
+
+EXAMPLE_SETTINGS = settings(
+    derandomize=True, database=None, deadline=None, max_examples=8, suppress_health_check=list(HealthCheck)
+)
+
+
+@pytest.mark.multirank(4)
+def test_random_splits_softmax_and_cumsum(domain_mesh):
+    seen: list[list[int]] = []
+
+    @EXAMPLE_SETTINGS
+    @given(split=_splits(13, 4), op=st.sampled_from(["softmax", "log_softmax", "cumsum"]))
+    def check(split: list[int], op: str) -> None:
+        seen.append(split)
+        fn = {"softmax": lambda t: t.softmax(1), "log_softmax": lambda t: F.log_softmax(t, 1),
+              "cumsum": lambda t: t.cumsum(1)}[op]
+        check_conformance(fn, [torch.randn(3, 13, 2)], ShardSpec(domain_mesh, [Shard(1)], split),
+                          atol=1e-4, count_comms=False)
+
+    check()
+    assert len(seen) >= 4  # hypothesis really drew examples on this rank
+    gathered: list[object] = [None] * 4
+    torch.distributed.all_gather_object(gathered, seen)
+    assert all(g == seen for g in gathered)  # identical examples on every rank
+
+
+class FallbackCommCounter(CommCounter):
+    """CommCounter that also sees the collectives the DTensor fallback issues.
+
+    A dispatch mode is switched off while it handles an op; by deferring ops on
+    distributed subclasses (NotImplemented) it stays active while DTensor runs
+    them, and so records the all-gathers of their redistribution.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, (DTensor, ShardTensor)) for t in types):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.multirank(2)
+def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
+    full = torch.randn(2, 4, 64, 8)
+    x = shard_tensor(full, domain_mesh, [Shard(2)], [32, 32])  # the fallback aborts gloo on uneven splits
+    measured = {}
+    for label, fn in [("softmax", lambda t: F.softmax(t, 2)), ("cumsum", lambda t: torch.cumsum(t, 2))]:
+        with torch.no_grad(), FallbackCommCounter() as patched:
+            fn(x)
+        with physicsnemo_shardext.disabled(plugins=["softmax_cumsum"]), torch.no_grad(), \
+                FallbackCommCounter() as fallback:
+            fn(x)
+        assert fallback.stats.total_bytes == full.numel() * 4 // 2  # the fallback all-gathers the activation
+        measured[label] = (patched.stats.total_bytes, fallback.stats.total_bytes)
+        stats_bytes = 2 * 4 * 8 * 4  # one row of statistics (batch x channel x width floats)
+        assert patched.stats.total_bytes <= 2 * stats_bytes
+        assert patched.stats.total_bytes < fallback.stats.total_bytes, (label, str(patched.stats), str(fallback.stats))
+
+
+@pytest.mark.multirank(2)
+def test_refused_configurations(domain_mesh, rank):
+    x = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
+    partial = ShardTensor.from_local(torch.full((2, 3), float(rank)), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        torch.softmax(partial, 0)
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        torch.cumsum(partial, 1)
+    with pytest.raises(MissingShardPatch, match="out= is not supported"):
+        torch.cumsum(x, 0, out=torch.empty(4, 6))
+    with pytest.raises(MissingShardPatch, match="dim='h'"):
+        F.softmax(x, "h")
+    ints = shard_tensor(torch.arange(6).reshape(3, 2), domain_mesh, [Shard(0)], [2, 1])
+    with pytest.raises(MissingShardPatch, match="softmax of a torch.int64 tensor"):
+        torch.softmax(ints, 0)
+    torch.testing.assert_close(torch.softmax(ints, 0, dtype=torch.float64).full_tensor(),
+                               torch.softmax(torch.arange(6).reshape(3, 2), 0, dtype=torch.float64))
