@@ -32,6 +32,16 @@ Output placement (one all-to-all per sharded transform dim, none back):
   An FNO layer (``rfft2 -> mode slice -> einsum -> irfft2``) therefore costs
   exactly two all-to-alls forward and two backward, and its spectral ops (mode
   slicing along ``H``, einsum) work on the ``H``-complete spectrum.
+* pencil over all transform dims (``rfft2``/``fft2`` over ``(H, W)`` with
+  ``[Shard(H), Shard(W)]``): ``W``'s shard is parked on the largest untransformed
+  dim (``C``), ``H``'s moves to ``W_f``, and after the last 1-D transform the
+  parked shard moves to the free ``H_f``: ``[Shard(H), Shard(W)] -> [Shard(W_f),
+  Shard(H_f)]`` (each mesh dim ends on the other spatial dim's frequencies), so
+  the spectrum is never sharded on batch/channel (an FNO einsum contracts ``C``).
+  Cost: 3 all-to-alls instead of 2. The inverse parks ``H_f`` on ``C``, moves
+  ``W_f`` to ``H`` and ``C`` to ``W``: back to ``[Shard(H), Shard(W)]`` with the
+  input's recorded splits. Shards the input had on untransformed dims (a batch
+  shard) never move; the slab path (one sharded transform dim) is unchanged.
 * split sizes: the destination dim gets the split that a previous transform on
   this mesh moved *away from* a dim of the same position (counted from the end)
   and length, so ``irfft2(rfft2(x))`` comes back with ``x``'s uneven split;

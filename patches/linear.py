@@ -15,7 +15,9 @@ mesh dimension that shards the input.
 Delegated to the built-in: calls whose input is not a ShardTensor, and inputs
 sharded on the feature dimension (a contraction over a sharded dim, which the
 built-in routes to DTensor). Refused (``MissingShardPatch``): inputs with a
-``Partial`` placement, and sharded (non-``Replicate``) weights or biases.
+``Partial`` placement, sharded (non-``Replicate``) weights or biases, and one
+tensor dim sharded over several mesh dims (what flattening an H- and W-sharded
+grid into points gives; PhysicsNeMo cannot reshape such points back to a grid).
 
 Example (2 ranks, rows split 9/8)::
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
@@ -77,7 +78,7 @@ def sharded_linear(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         raise MissingShardPatch(
             f"torch.nn.functional.linear: input with a Partial placement {tuple(x._spec.placements)}"
         )
-    if (x.ndim - 1) in sharded_dims(x):
+    if (x.ndim - 1) in sharded_dims(x):  # raises MissingShardPatch for nested sharding of one dim
         return _delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
     weight = GradReducer.apply(_replicated_parameter(weight, "weight"), x._spec)
     if bias is not None:

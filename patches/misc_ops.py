@@ -1,4 +1,4 @@
-"""Layout ops and PReLU on uneven shards: permute, transpose, contiguous/clone, cat, prelu.
+"""Layout ops and PReLU on uneven shards: permute, transpose, contiguous/clone, cat, complex views, prelu.
 
 PhysicsNeMo has no patch for these, so on a ShardTensor they take the DTensor
 fallback, which re-derives the output's shard sizes by *even chunking*
@@ -18,13 +18,25 @@ Every op here is local, with no communication in the forward pass:
 * ``cat`` along a dimension that is not sharded: the inputs must share mesh,
   placements and row counts on every sharded dim (then the local blocks line
   up row for row);
+* ``stack`` of identically sharded tensors along a new dim; sharded dims at or
+  after it move up by one;
+* ``flatten`` when the only sharded dim of the group is its first (rows stay
+  contiguous; row counts scale by the other dims' product), ``unflatten`` of a
+  sharded dim whose rows per rank are multiples of the new inner dims' product;
+* ``.real`` / ``.imag`` / ``torch.real`` / ``torch.imag`` / ``view_as_real`` /
+  ``view_as_complex`` (AFNO's spectral block): views of the local block, same
+  placements and row counts;
 * ``prelu``: elementwise on the local block; the (replicated) weight's gradient
   is the sum over all shards, so it is all-reduced over the mesh dims that
   shard the input, in the backward pass only.
 
 Refused (``MissingShardPatch``): ``Partial`` inputs (prelu, cat), ``cat`` along a
 sharded dim or of tensors sharded differently (or mixing plain and sharded
-tensors), a sharded prelu weight.
+tensors), ``stack`` of differently sharded tensors, ``flatten`` with a sharded
+dim inside the group (not first), ``unflatten`` cutting across a rank
+boundary, a sharded prelu weight, ``view_as_complex`` with its last dim sharded.
+``Partial`` inputs of flatten/unflatten/complex views take the DTensor
+fallback, as before this plugin.
 
 Example (2 ranks, x of shape (1, 4, 7, 3) split 5 + 2 on dim 2)::
 
@@ -41,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
@@ -48,7 +61,7 @@ from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.primitives.layout import build_shard_tensor, from_local_like, sharded_dims
 from physicsnemo_shardext.targets import describe_target
 
-__all__ = ["cat_local", "clone_local", "permute_local", "prelu_local", "transpose_local"]
+__all__ = ["cat_local", "clone_local", "complex_view_local", "flatten_local", "stack_local", "unflatten_local", "permute_local", "prelu_local", "transpose_local"]
 
 
 def _moved(x: ShardTensor, local: torch.Tensor, order: Sequence[int]) -> ShardTensor:
@@ -101,8 +114,129 @@ def clone_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
     return from_local_like(func(x.to_local(), *rest, **kwargs), x)
 
 
+def complex_view_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``.real`` / ``.imag`` / ``torch.view_as_real`` / ``torch.view_as_complex`` as views of the local block.
+
+    Placements and per-rank row counts are unchanged (``view_as_real`` appends an unsharded
+    dim of 2, ``view_as_complex`` drops it); ``view_as_complex`` of a tensor sharded on its
+    last dim is refused; ``Partial`` inputs take the DTensor fallback, as before.
+
+    Example::
+
+        x_real, x_imag = x_ft.real, x_ft.imag      # x_ft split 2/1 on dim 2: both split 2/1
+    """
+    x, *rest = args
+    if not isinstance(x, ShardTensor) or rest or kwargs or any(p.is_partial() for p in x._spec.placements):
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)  # as before this plugin
+    rows = _row_counts(x)
+    if func is torch.view_as_complex and (x.ndim - 1) in rows:
+        raise MissingShardPatch("torch.view_as_complex: the last (real/imag) dim is sharded")
+    return build_shard_tensor(func(x.to_local()), x._spec.mesh, x._spec.placements, rows)
+
+
+def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``x.flatten(start, end)`` / ``torch.flatten`` on the local block when only the group's first dim is sharded.
+
+    Rows of the first dim stay contiguous in the flattened dim, so each rank's count is
+    multiplied by the product of the other dims in the group (e.g. AFNO's patch embedding
+    ``x.flatten(2)`` of ``(B, D, h, w)`` sharded on ``h``). A sharded dim inside the group
+    but not first is refused.
+
+    Example::
+
+        y = x.flatten(2)       # x (1, 8, 8, 4) split 3/5 on dim 2 -> y (1, 8, 32) split 12/20
+    """
+    x, *rest = args
+    start = kwargs.get("start_dim", rest[0] if rest else 0)
+    end = kwargs.get("end_dim", rest[1] if len(rest) > 1 else -1)
+    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)  # as before this plugin
+    if x.ndim == 0:
+        return from_local_like(func(x.to_local(), *rest, **kwargs), x)
+    start, end = int(start) % x.ndim, int(end) % x.ndim
+    rows = _row_counts(x)
+    inside = [d for d in rows if start < d <= end]
+    if inside:
+        raise MissingShardPatch(
+            f"{describe_target(func)}({start}, {end}): dim {inside[0]} is sharded but is not the first of the "
+            "flattened group; its rows would interleave across ranks"
+        )
+    factor = 1
+    for d in range(start + 1, end + 1):
+        factor *= x.shape[d]
+    shift = end - start
+    placements, sizes = list(x._spec.placements), {}
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % x.ndim
+            new_d = d if d <= start else d - shift
+            placements[m] = Shard(new_d)
+            sizes[new_d] = tuple(n * factor for n in rows[d]) if d == start else rows[d]
+    return build_shard_tensor(x.to_local().flatten(start, end), x._spec.mesh, placements, sizes)
+
+
+def unflatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``x.unflatten(dim, sizes)`` / ``torch.unflatten`` on the local block.
+
+    A sharded ``dim`` splits into ``sizes`` with the first new dim sharded; every rank's row
+    count must be a multiple of the product of the other new sizes (else refused).
+
+    Example::
+
+        y = x.unflatten(2, (8, 4))   # x (1, 8, 32) split 12/20 on dim 2 -> y (1, 8, 8, 4) split 3/5
+    """
+    x, *rest = args
+    dim = kwargs.get("dim", rest[0] if rest else None)
+    shape = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
+    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
+        return _torch_function_fallback_via_dtensor(func, args, kwargs)  # as before this plugin
+    dim = int(dim) % x.ndim
+    rows = _row_counts(x)
+    new_shape = list(torch.empty(x.shape[dim], device="meta").unflatten(0, tuple(shape)).shape)
+    inner = 1
+    for n in new_shape[1:]:
+        inner *= n
+    if dim in rows and any(n % inner for n in rows[dim]):
+        raise MissingShardPatch(
+            f"{describe_target(func)}(dim={dim}, sizes={tuple(shape)}): rows per rank {rows[dim]} are not "
+            f"multiples of {inner}; a rank boundary would fall inside the new inner dims"
+        )
+    grow = len(new_shape) - 1
+    placements, sizes = list(x._spec.placements), {}
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % x.ndim
+            new_d = d if d <= dim else d + grow
+            placements[m] = Shard(new_d)
+            sizes[new_d] = tuple(n // inner for n in rows[d]) if d == dim else rows[d]
+    first = x.to_local().shape[dim] // inner if dim in rows else new_shape[0]  # explicit: a rank may hold 0 rows
+    local = x.to_local().unflatten(dim, [first, *new_shape[1:]])
+    return build_shard_tensor(local, x._spec.mesh, placements, sizes)
+
+
 def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
     return {d: layout.sizes for d, layout in sharded_dims(x).items()}
+
+
+def _identical_shard_inputs(func: Any, args: tuple, kwargs: dict, verb: str) -> tuple[list[ShardTensor], int]:
+    """The ``tensors`` and ``dim`` of a cat/stack call, refused unless every input is sharded identically."""
+    tensors = list(kwargs.get("tensors", args[0] if args else ()))
+    dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+    name = describe_target(func)
+    if not tensors or not all(isinstance(t, ShardTensor) for t in tensors):
+        raise MissingShardPatch(f"{name}: every input must be a ShardTensor (got {[type(t).__name__ for t in tensors]})")
+    first = tensors[0]
+    placements = tuple(first._spec.placements)
+    if any(p.is_partial() for p in placements):
+        raise MissingShardPatch(f"{name}: inputs with a Partial placement {placements}")
+    rows = _row_counts(first)
+    for t in tensors[1:]:
+        if t._spec.mesh != first._spec.mesh or tuple(t._spec.placements) != placements or _row_counts(t) != rows:
+            raise MissingShardPatch(
+                f"{name}: inputs sharded differently ({tuple(t._spec.placements)} rows {_row_counts(t)} vs "
+                f"{placements} rows {rows}); {verb} needs identical shards"
+            )
+    return tensors, dim
 
 
 def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
@@ -112,27 +246,37 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
 
         patches.function(torch.cat, cat_local)
     """
-    tensors = list(kwargs.get("tensors", args[0] if args else ()))
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-    name = describe_target(func)
-    if not tensors or not all(isinstance(t, ShardTensor) for t in tensors):
-        raise MissingShardPatch(f"{name}: every input must be a ShardTensor (got {[type(t).__name__ for t in tensors]})")
+    tensors, dim = _identical_shard_inputs(func, args, kwargs, "concatenation")
     first = tensors[0]
-    dim = int(dim) % first.ndim
+    dim %= first.ndim
     placements = tuple(first._spec.placements)
-    if any(p.is_partial() for p in placements):
-        raise MissingShardPatch(f"{name}: inputs with a Partial placement {placements}")
     if any(isinstance(p, Shard) and p.dim % first.ndim == dim for p in placements):
-        raise MissingShardPatch(f"{name}: concatenation along sharded dim {dim} (placements {placements})")
-    rows = _row_counts(first)
-    for t in tensors[1:]:
-        if t._spec.mesh != first._spec.mesh or tuple(t._spec.placements) != placements or _row_counts(t) != rows:
-            raise MissingShardPatch(
-                f"{name}: inputs sharded differently ({tuple(t._spec.placements)} rows {_row_counts(t)} vs "
-                f"{placements} rows {rows}); concatenation needs identical shards"
-            )
+        raise MissingShardPatch(
+            f"{describe_target(func)}: concatenation along sharded dim {dim} (placements {placements})"
+        )
     local = torch.cat([t.to_local() for t in tensors], dim=dim)
     return from_local_like(local, first)
+
+
+def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    """``torch.stack(tensors, dim)`` of identically sharded tensors: local stack along the new (unsharded) dim.
+
+    Sharded dims at or after ``dim`` move up by one and keep their row counts.
+
+    Example::
+
+        o2 = torch.stack([re, im], dim=-1)   # both split 5/2 on dim 2 -> split 5/2 on dim 2
+    """
+    tensors, dim = _identical_shard_inputs(func, args, kwargs, "stacking")
+    first = tensors[0]
+    if any(t.shape != first.shape for t in tensors[1:]):
+        raise MissingShardPatch(f"{describe_target(func)}: inputs of different shapes cannot be stacked")
+    dim %= first.ndim + 1
+    new_placements = [Shard(p.dim % first.ndim + (p.dim % first.ndim >= dim)) if isinstance(p, Shard) else p
+                      for p in first._spec.placements]
+    sizes = {d + (d >= dim): n for d, n in _row_counts(first).items()}
+    local = torch.stack([t.to_local() for t in tensors], dim=dim)
+    return build_shard_tensor(local, first._spec.mesh, new_placements, sizes)
 
 
 class _SumGradOverMeshDims(torch.autograd.Function):
@@ -191,6 +335,17 @@ _TARGETS: tuple[tuple[Any, Any, str], ...] = (
     (torch.clone, clone_local, "clone of the local block, same shards (no communication)"),
     (torch.cat, cat_local, "cat of identically sharded tensors along an unsharded dim (no communication)"),
     (F.prelu, prelu_local, "prelu on the local block; weight gradient all-reduced over the shards"),
+    (torch.stack, stack_local, "stack of identically sharded tensors along a new dim (no communication)"),
+    (torch.Tensor.flatten, flatten_local, "flatten with the sharded dim first of the group: local, rows scale"),
+    (torch.flatten, flatten_local, "flatten with the sharded dim first of the group: local, rows scale"),
+    (torch.Tensor.unflatten, unflatten_local, "unflatten of a dim; a sharded one keeps its first new dim sharded"),
+    (torch.unflatten, unflatten_local, "unflatten of a dim; a sharded one keeps its first new dim sharded"),
+    (torch.Tensor.real.__get__, complex_view_local, "x.real as a view of the local block, same shards"),
+    (torch.Tensor.imag.__get__, complex_view_local, "x.imag as a view of the local block, same shards"),
+    (torch.real, complex_view_local, "torch.real as a view of the local block, same shards"),
+    (torch.imag, complex_view_local, "torch.imag as a view of the local block, same shards"),
+    (torch.view_as_real, complex_view_local, "view_as_real of the local block; appended dim unsharded"),
+    (torch.view_as_complex, complex_view_local, "view_as_complex of the local block; last dim must be unsharded"),
 )
 
 

@@ -1,7 +1,9 @@
 """Spectral-layer ops on a sharded spectrum: mode slicing, einsum with replicated weights, slice assignment.
 
 What an FNO layer does between ``rfft2`` and ``irfft2`` (see ``patches/fft.py``,
-whose spectrum is sharded on the last, ``W//2+1`` frequency dim):
+whose spectrum is sharded on the last, ``W//2+1`` frequency dim on a 1-D mesh, and
+on both frequency dims, ``[Shard(W_f), Shard(H_f)]``, on a 2-D pencil mesh; every
+op below works per sharded dim, so both cases take the same code):
 
 * ``x[..., :m1, :m2]``, ``x[..., -m1:, :m2]`` (``torch.Tensor.__getitem__``):
   basic slices (any step > 0), ints and ``...`` work on every rank's own rows,

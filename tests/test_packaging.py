@@ -36,7 +36,12 @@ def test_wheel_maps_patches_into_the_package_namespace(wheel):
 def test_wheel_declares_plugin_pytest_and_console_entry_points(wheel):
     (entry_points,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     text = wheel.read(entry_points).decode()
-    assert "[physicsnemo_shardext]\npointwise = physicsnemo_shardext.patches.pointwise" in text
+    section = text.split("[physicsnemo_shardext]\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    families = dict(line.split(" = ") for line in section)
+    for family in ("pointwise", "normalization", "convolution", "fft", "spectral", "fallback_fix"):
+        assert families[family] == f"physicsnemo_shardext.patches.{family}"
+    for module in families.values():  # every first-party entry point names a module the wheel ships
+        assert module.replace(".", "/") + ".py" in wheel.namelist()
     assert "[pytest11]\nshardext = physicsnemo_shardext.testing.pytest_plugin" in text
     assert "shardext = physicsnemo_shardext.cli:main" in text
 

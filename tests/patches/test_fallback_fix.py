@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel import shard_tensor as shard_tensor_module
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -17,7 +16,6 @@ from physicsnemo_shardext import AttributeTarget, PatchLevel
 from physicsnemo_shardext.patches import fallback_fix
 from physicsnemo_shardext.patches.fallback_fix import fallback_backward_is_defective, fixed_backward
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
-from physicsnemo_shardext.testing.conformance import ConformanceError
 
 OWNER = shard_tensor_module._ShardTensorToDTensor
 TARGET = AttributeTarget(OWNER, "backward")

@@ -135,6 +135,27 @@ def test_pencil_decomposition_on_a_2x2_mesh(spatial_mesh):
 
 
 @pytest.mark.multirank(4)
+def test_pencil_rfft2_ends_on_frequency_dims_only(spatial_mesh):
+    # (H, W) both sharded: the spectrum must not stay sharded on the channel dim (an FNO einsum
+    # contracts it). Mesh dim "h" ends on W's frequencies, "w" on H: [Shard(3), Shard(2)].
+    x = torch.randn(1, 3, 9, 7)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [4, 3]})
+    report = check_conformance(torch.fft.rfft2, [x], spec, expected_placements=[Shard(3), Shard(2)])
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 3}  # W->C, H->W, C->H
+    check_conformance(torch.fft.fft2, [x.to(torch.complex64)], spec, expected_placements=[Shard(3), Shard(2)],
+                      atol=1e-4)
+    roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t), s=(9, 7))
+    report = check_conformance(roundtrip, [x], spec, expected_placements=[Shard(2), Shard(3)])
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 6}
+    # The inverse restores the input's own uneven split, not a balanced one.
+    xs = shard_tensor(x, spatial_mesh, [Shard(2), Shard(3)], {0: [6, 3], 1: [2, 5]})
+    ys = torch.fft.irfft2(torch.fft.rfft2(xs), s=(9, 7))
+    shapes = ys._spec.sharding_shapes()
+    assert [s[2] for s in shapes[0]] == [6, 3] and [s[3] for s in shapes[1]] == [2, 5]
+    torch.testing.assert_close(ys.full_tensor(), x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.multirank(4)
 def test_batch_sharded_over_ddp_is_untouched(ddp_domain_mesh):
     x = torch.randn(4, 3, 8, 6)
     spec = ShardSpec(ddp_domain_mesh, [Shard(0), Shard(2)], {0: [3, 1], 1: [5, 3]})

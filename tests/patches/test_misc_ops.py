@@ -10,7 +10,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches.misc_ops import cat_local, prelu_local
+from physicsnemo_shardext.patches.misc_ops import (
+    cat_local,
+    complex_view_local,
+    flatten_local,
+    prelu_local,
+    stack_local,
+    unflatten_local,
+)
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 
@@ -38,6 +45,16 @@ CASES = {
     "clone": lambda x: x.clone() * 1.5,
     "cat_channels": lambda x: torch.cat([x, 3 * x, x * x], dim=1),
     "pixel_shuffle_3d": _pixel_shuffle_3d,
+    # flatten with the sharded dim first of the group (AFNO's patch embedding), and back
+    "flatten": lambda x: x.flatten(2) * 1.5,
+    "torch_flatten_unflatten": lambda x: torch.unflatten(torch.flatten(x, 2, 3), 2, (7, 3)) * 1.5,
+    "flatten_unflatten_negative_dims": lambda x: x.flatten(-3, -2).unflatten(-2, (7, 3)) * 1.5,
+    "stack_new_last_dim": lambda x: torch.stack([x, 2 * x], dim=-1) * 1.5,
+    "stack_before_sharded_dim": lambda x: torch.stack([x, x * x], dim=1),
+    # complex views (the input's last dim of 2 is the real/imag pair): AFNO's spectral block
+    "real_imag": lambda x: (lambda c: c.real * 2.0 + c.imag * c.real)(torch.view_as_complex(x)),
+    "torch_real_imag": lambda x: (lambda c: torch.real(c) - 3.0 * torch.imag(c))(torch.view_as_complex(x)),
+    "view_as_real_roundtrip": lambda x: torch.view_as_real(torch.view_as_complex(x)) * 1.5,
 }
 
 
@@ -50,6 +67,8 @@ def _expected(name: str, placements: list) -> list:
         "torch_transpose_negative": [0, 1, 4, 3, 2],
         "contiguous_after_permute": [0, 2, 1, 3, 4],
     }
+    if name == "stack_before_sharded_dim":  # a new dim 1: the sharded dim moves up by one
+        return [Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= 1 else p for p in placements]
     if name not in moves:
         return placements
     order = moves[name]
@@ -58,7 +77,9 @@ def _expected(name: str, placements: list) -> list:
 
 def test_every_target_is_installed_by_the_plugin():
     registry = physicsnemo_shardext.get_registry()
-    for target in (torch.cat, F.prelu, torch.Tensor.permute, torch.Tensor.transpose, torch.Tensor.contiguous):
+    for target in (torch.cat, F.prelu, torch.Tensor.permute, torch.Tensor.transpose, torch.Tensor.contiguous,
+                   torch.stack, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten, torch.unflatten,
+                   torch.Tensor.real.__get__, torch.Tensor.imag.__get__, torch.view_as_real, torch.view_as_complex):
         record = registry.provenance(target)
         assert record is not None and record.plugin.name == "misc_ops"
 
@@ -129,3 +150,43 @@ def test_prelu_refuses_a_sharded_weight(domain_mesh):
         prelu_local(F.prelu, (), (x, weight), {})
     replicated = ShardTensor.from_local(torch.ones(1), domain_mesh, [Replicate()], sharding_shapes={})
     assert prelu_local(F.prelu, (), (x, replicated), {}).to_local().shape == x.to_local().shape
+
+
+@pytest.mark.multirank(2)
+def test_complex_view_of_uneven_shards_is_local_and_keeps_the_split(domain_mesh):
+    x = shard_tensor(torch.randn(1, 2, 7, 2), domain_mesh, [Shard(2)], [5, 2])
+    c = torch.view_as_complex(x)
+    assert isinstance(c, ShardTensor) and c.dtype == torch.complex64
+    assert c._spec.sharding_shapes()[0] == (torch.Size([1, 2, 5]), torch.Size([1, 2, 2]))
+    back = torch.view_as_real(c)
+    assert back._spec.sharding_shapes()[0] == (torch.Size([1, 2, 5, 2]), torch.Size([1, 2, 2, 2]))
+    torch.testing.assert_close(c.imag.full_tensor(), x.full_tensor()[..., 1])
+
+
+@pytest.mark.multirank(2)
+def test_view_as_complex_refuses_a_sharded_last_dim(domain_mesh):
+    x = shard_tensor(torch.randn(1, 3, 2), domain_mesh, [Shard(2)], [1, 1])
+    with pytest.raises(MissingShardPatch, match="view_as_complex: the last"):
+        complex_view_local(torch.view_as_complex, (), (x,), {})
+
+
+@pytest.mark.multirank(2)
+def test_flatten_scales_the_rows_and_refuses_interleaving(domain_mesh):
+    x = shard_tensor(torch.randn(1, 2, 7, 3), domain_mesh, [Shard(2)], [5, 2])
+    y = flatten_local(torch.Tensor.flatten, (), (x, 2), {})
+    assert y._spec.sharding_shapes()[0] == (torch.Size([1, 2, 15]), torch.Size([1, 2, 6]))
+    torch.testing.assert_close(y.full_tensor(), x.full_tensor().flatten(2))
+    with pytest.raises(MissingShardPatch, match="dim 2 is sharded but is not the first"):
+        flatten_local(torch.flatten, (), (x, 1), {})
+    with pytest.raises(MissingShardPatch, match="not multiples of 7"):
+        unflatten_local(torch.unflatten, (), (y, 2, (3, 7)), {})
+
+
+@pytest.mark.multirank(2)
+def test_stack_refuses_differently_sharded_inputs(domain_mesh):
+    x = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [5, 2])
+    other_split = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [4, 3])
+    with pytest.raises(MissingShardPatch, match="stacking needs identical shards"):
+        stack_local(torch.stack, (), ([x, other_split], -1), {})
+    with pytest.raises(MissingShardPatch, match="every input must be a ShardTensor"):
+        stack_local(torch.stack, (), ([x, torch.randn(1, 2, 7)],), {})

@@ -185,6 +185,19 @@ def test_fno_block_on_four_ranks_and_on_a_ddp_domain_mesh(domain_mesh, ddp_domai
     check_conformance(SpectralConv2d(3, 2, 3, 4), [x], spec, atol=1e-5)
 
 
+@pytest.mark.multirank(4)
+def test_fno_blocks_on_a_2x2_pencil_mesh(spatial_mesh):
+    # rfft2 of [Shard(H), Shard(W)] gives [Shard(W_f), Shard(H_f)]: slicing both mode corners, the
+    # channel-contracting einsum, setitem into zeros_like and zeros + F.pad add all run on it.
+    x = torch.randn(2, 3, 10, 12)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 4], 1: [7, 5]})
+    # 3 all-to-alls per pencil transform; SpectralConv2d adds one: the F.pad-ded high-H-mode block is
+    # split differently on H_f from the low one, and the add moves its rows (replicated_add).
+    for block, calls in ((TextbookSpectralConv2d(3, 3, 4, "zeros_like"), 6), (SpectralConv2d(3, 3, 3, 4), 7)):
+        report = check_conformance(block, [x], spec, atol=1e-5, expected_placements=[Shard(2), Shard(3)])
+        assert report.comms.forward.counts == {"c10d.alltoall_base_": calls}
+
+
 # -- communication of a spectral layer --------------------------------------------------------
 class SpectralLayer(torch.nn.Module):
     """rfft2 -> low-mode slice -> einsum -> irfft2 (the truncated spectrum is zero-filled by s=)."""
