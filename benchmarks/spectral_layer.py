@@ -12,12 +12,11 @@ variants run in the same processes, one after the other:
   i.e. ShardTensor's DTensor fallback for those ops.
 
 Per rank and variant it reports the collectives and payload bytes of one forward
-and one backward (``CommCounter``: bytes this rank hands to collectives, plus the
-collectives DTensor issues inside its own dispatch, which a dispatch mode cannot
-see; see ``_comm_counter``), the
-peak extra resident memory of one forward+backward, and the median wall time of
-``--repeats`` forward+backward steps. A variant whose backward raises is
-reported as ``crashes (<exception>)`` and timed on the forward only.
+and one backward (``CommCounter``: bytes this rank hands to collectives,
+including those DTensor issues inside its own dispatch), the peak extra resident
+memory of one forward+backward, and the median wall time of ``--repeats``
+forward+backward steps. A variant whose backward raises is reported as
+``crashes (<exception>)`` and timed on the forward only.
 
 Memory on CPU: torch has no allocator statistics for CPU tensors, and
 ``tracemalloc`` does not see them. We reset the kernel's resident-set
@@ -109,55 +108,6 @@ def peak_memory(device: torch.device) -> Iterator[list[float | None]]:
     result[0] = (_status_kib("VmHWM") - before) / 1024
 
 
-# -- communication -------------------------------------------------------------------------------
-# DTensor's C++ dispatch path runs with dispatch modes stashed, so the collectives a DTensor
-# fallback issues (funcol calls made inside the op) never reach CommCounter. They are Python
-# calls, though: count them there, but only while CommCounter is stashed (otherwise it
-# already sees them as _c10d_functional ops) and only the outermost call (funcol nests).
-_FUNCOL_NAMES = (
-    "broadcast", "all_reduce", "all_gather_single", "all_gather_tensor", "all_gather_tensor_autograd",
-    "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "all_to_all_single",
-    "all_to_all_single_autograd", "all_reduce_coalesced", "permute_tensor",
-)
-
-
-def _comm_counter():
-    """A ``CommCounter`` that also sees collectives issued inside DTensor's dispatch (the fallback)."""
-    import torch.distributed._functional_collectives as funcol
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from physicsnemo_shardext.testing.comm_accounting import CommCounter
-
-    class FallbackAwareCounter(CommCounter):
-        def __enter__(self):
-            self._originals = {n: getattr(funcol, n) for n in _FUNCOL_NAMES if hasattr(funcol, n)}
-            self._depth = 0
-            for name, original in self._originals.items():
-                setattr(funcol, name, self._spy(name, original))
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            try:
-                return super().__exit__(*exc)
-            finally:
-                for name, original in self._originals.items():
-                    setattr(funcol, name, original)
-
-        def _spy(self, name, original):
-            def spied(tensor, *args, **kwargs):
-                if self._depth == 0 and self not in _get_current_dispatch_mode_stack():
-                    nbytes = sum(t.nbytes for t in (tensor if isinstance(tensor, (list, tuple)) else [tensor]))
-                    self.stats.record(f"funcol.{name} (inside DTensor dispatch)", nbytes)
-                self._depth += 1
-                try:
-                    return original(tensor, *args, **kwargs)
-                finally:
-                    self._depth -= 1
-            return spied
-
-    return FallbackAwareCounter()
-
-
 # -- one variant --------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -185,9 +135,9 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
     from physicsnemo.nn.module.spectral_layers import SpectralConv2d
     from torch.distributed.tensor import Shard, distribute_module
 
-    from physicsnemo_shardext.testing import shard_tensor
+    from physicsnemo_shardext.testing import CommCounter, shard_tensor
 
-    torch.manual_seed(0)  # same weights, field and cotangent on every rank and in both variants
+    torch.manual_seed(0)  # the same layer and field on every rank (the reference is computed locally)
     layer = SpectralConv2d(args.channels, args.channels, args.modes, args.modes).to(device)
     full = torch.randn(args.batch, args.channels, args.height, args.width, device=device)
     full_cotangent = torch.randn_like(full)
@@ -204,7 +154,7 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
     with context():
         # Counted pass (also the warm-up).
         try:
-            with _comm_counter() as forward:
+            with CommCounter() as forward:
                 out = sharded_layer(x)
             result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
             result.max_error = (out.full_tensor() - reference).abs().max().item()
@@ -215,7 +165,7 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
             return result
         backward_works = True
         try:
-            with _comm_counter() as backward:
+            with CommCounter() as backward:
                 out.backward(cotangent)
             result.backward_calls, result.backward_bytes = backward.stats.total_calls, backward.stats.total_bytes
         except Exception as error:  # the fallback backward of PhysicsNeMo 2.2.2 may raise

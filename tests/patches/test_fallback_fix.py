@@ -21,14 +21,11 @@ OWNER = shard_tensor_module._ShardTensorToDTensor
 TARGET = AttributeTarget(OWNER, "backward")
 
 
-def _ensure_loaded() -> None:
-    """Load the plugin programmatically if entry-point discovery did not (e.g. stale egg-info on sys.path)."""
-    registry = physicsnemo_shardext.get_registry()
-    if not any(p.name == "fallback_fix" for p in registry.plugins()):
-        physicsnemo_shardext.load_plugin(fallback_fix, "fallback_fix")
+def test_plugins_are_loaded_through_their_entry_points():
+    reports = {r.plugin.name: r for r in physicsnemo_shardext.get_registry().reports()}
+    for name in ("fallback_fix",):
+        assert reports[name].status.value == "loaded" and reports[name].plugin.distribution == "physicsnemo-shardext"
 
-
-_ensure_loaded()
 
 # Ops with no first-party patch whose DTensor fallback replicates the sharded dim.
 FALLBACK_OPS = {

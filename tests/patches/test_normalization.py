@@ -11,20 +11,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches import fallback_fix, normalization
 from physicsnemo_shardext.patches.normalization import NORMALIZATION_TARGETS
-from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, measure_comms, shard_tensor
 
 
-def _ensure_loaded() -> None:
-    """Load the plugins programmatically if entry-point discovery did not (stale egg-info on sys.path)."""
-    loaded = {p.name for p in physicsnemo_shardext.get_registry().plugins()}
-    for name, module in (("normalization", normalization), ("fallback_fix", fallback_fix)):
-        if name not in loaded:
-            physicsnemo_shardext.load_plugin(module, name)
+def test_plugins_are_loaded_through_their_entry_points():
+    reports = {r.plugin.name: r for r in physicsnemo_shardext.get_registry().reports()}
+    for name in ("normalization", "fallback_fix"):
+        assert reports[name].status.value == "loaded" and reports[name].plugin.distribution == "physicsnemo-shardext"
 
-
-_ensure_loaded()
 
 MODULES = {
     "batch_norm": lambda: torch.nn.BatchNorm2d(4),
@@ -143,17 +138,20 @@ def test_forward_comm_is_O_channels_and_below_fallback(domain_mesh, name):
     assert patched.forward.counts == {"c10d.allreduce_": 2}
     assert patched.forward.total_bytes == 2 * n_stats * 4
     # The DTensor fallback (handler removed, built-in included) either replicates the whole
-    # activation -- an all-gather of at least this rank's shard, which CommCounter does not see
-    # inside DTensor's dispatch -- or cannot run at all.
+    # activation -- an all-gather of at least this rank's shard -- or cannot run at all.
     shard_bytes = 2 * 4 * 3 * 5 * 4  # the smaller shard, float32
     assert patched.forward.total_bytes < shard_bytes
     with physicsnemo_shardext.disabled(targets=[TARGET_OF[name]]):
         xs = shard_tensor(x, domain_mesh, [Shard(2)], [4, 3])
+        module = _randomize(MODULES[name]())
         try:
-            placements = tuple(_randomize(MODULES[name]())(xs).placements)
+            with torch.no_grad(), CommCounter() as counted:
+                placements = tuple(module(xs).placements)
         except RuntimeError:
             placements = None
     assert placements in (None, (Replicate(),))
+    if placements is not None:  # it ran: CommCounter saw it gather the activation inside DTensor's dispatch
+        assert counted.stats.total_bytes >= xs.to_local().nbytes > patched.forward.total_bytes
     if name == "group_norm":  # PhysicsNeMo's built-in: one packed all_reduce of the same size
         with physicsnemo_shardext.disabled(plugins=["normalization"]):
             builtin = measure_comms(_randomize(MODULES[name]()), [x], spec)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.pooling import adaptive_pool_handler, pool_handler
-from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, measure_comms, shard_tensor
 
 POOLS = {
     "max-k2-odd-shards": lambda x: F.max_pool2d(x, 2),
@@ -147,10 +147,12 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh, rank):
              (lambda t: F.adaptive_max_pool2d(t, 1), F.adaptive_max_pool2d)]
     for fn, target in cases:
         patched = measure_comms(fn, [x], spec)
-        with physicsnemo_shardext.disabled(targets=[target]):
+        with physicsnemo_shardext.disabled(targets=[target]), torch.no_grad(), CommCounter() as counted:
             fallback = fn(xs)
-        # The fallback gathers the whole input (its output comes back Replicate), so each rank hands
-        # over at least its shard; CommCounter cannot see collectives issued inside DTensor's dispatch.
+        # CommCounter sees the all-gather DTensor issues inside its dispatch: at least this rank's shard.
+        assert counted.stats.total_bytes >= xs.to_local().nbytes
+        assert patched.forward.total_bytes < counted.stats.total_bytes
+        # The fallback gathers the whole input (its output comes back Replicate).
         assert fallback._spec.placements == (Replicate(),)
         torch.testing.assert_close(fallback.full_tensor(), fn(x))
         assert patched.forward.total_bytes < shard_bytes / 2, patched.forward

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.resampling import cubic_source_rows, interpolate_handler, source_rows
-from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, measure_comms, shard_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -156,10 +156,12 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
     for fn, target in [(lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear", align_corners=True), F.interpolate),
                        (lambda t: F.interpolate(t, size=(20, 8), mode="nearest"), F.interpolate)]:
         patched = measure_comms(fn, [x], spec)
-        with physicsnemo_shardext.disabled(targets=[target]):
+        with physicsnemo_shardext.disabled(targets=[target]), torch.no_grad(), CommCounter() as counted:
             fallback = fn(xs)
-        # Replicate output: the fallback gathered the whole input (each rank hands over its shard;
-        # CommCounter cannot see collectives issued inside DTensor's dispatch).
+        # CommCounter sees the all-gather DTensor issues inside its dispatch: at least this rank's shard.
+        assert counted.stats.total_bytes >= xs.to_local().nbytes
+        assert patched.forward.total_bytes < counted.stats.total_bytes
+        # Replicate output: the fallback gathered the whole input.
         assert fallback._spec.placements == (Replicate(),)
         torch.testing.assert_close(fallback.full_tensor(), fn(x))
         assert patched.forward.total_bytes <= xs.to_local().nbytes / 8  # at most one row of eight
