@@ -47,28 +47,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = ["diff_output_sizes", "sharded_diff", "sharded_gradient"]
-
-
-def _checked_input(func: Callable, x: Any) -> ShardTensor:
-    name = describe_target(func)
-    if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
-    if any(p.is_partial() for p in x._spec.placements):
-        raise MissingShardPatch(
-            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; redistribute to Shard/Replicate first"
-        )
-    return x
-
-
-def _normalize_dim(func: Callable, dim: Any, ndim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise MissingShardPatch(f"{describe_target(func)}: dim {dim!r} is not supported on ShardTensor (ints are)")
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise IndexError(f"{describe_target(func)}: dim {dim} out of range for a {ndim}-d tensor")
-    return dim % max(ndim, 1)
 
 
 def _local_block(full: torch.Tensor, layouts: dict[int, DimLayout], skip: int) -> torch.Tensor:
@@ -146,14 +128,14 @@ def sharded_gradient(func: Callable, types: tuple, args: tuple, kwargs: dict) ->
     kwargs = dict(kwargs)
     if len(args) != 1:
         raise TypeError(f"{describe_target(func)}: takes the input tensor and keyword arguments only")
-    x = _checked_input(func, args[0])
+    x = require_shard_input(func, args[0])
     spacing, dim, edge_order = kwargs.pop("spacing", None), kwargs.pop("dim", None), kwargs.pop("edge_order", 1)
     if kwargs:
         raise TypeError(f"{describe_target(func)}: unexpected arguments {sorted(kwargs)}")
     if dim is None:
         dims = list(range(x.ndim))
     else:
-        dims = [_normalize_dim(func, d, x.ndim) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        dims = [normalize_dim(func, d, x.ndim) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
     per_dim = _spacing_per_dim(func, spacing, dims)
     _validate_gradient(x, spacing, dim, edge_order)
 
@@ -256,8 +238,8 @@ def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     bound = {name: default for name, default in names}
     bound.update(zip((nm for nm, _ in names), args[1:]))
     bound.update(kwargs)
-    x = _checked_input(func, args[0])
-    n, dim = int(bound["n"]), _normalize_dim(func, bound["dim"], x.ndim)
+    x = require_shard_input(func, args[0])
+    n, dim = int(bound["n"]), normalize_dim(func, bound["dim"], x.ndim)
     layouts = sharded_dims(x)
     prepend = _extra_rows(func, "prepend", bound["prepend"], x, dim, layouts)
     append = _extra_rows(func, "append", bound["append"], x, dim, layouts)

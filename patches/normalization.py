@@ -176,6 +176,19 @@ def _channel_view(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
     return None if t is None else t.reshape((1, -1) + (1,) * (ndim - 2))
 
 
+def _scale_and_shift(
+    local: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float,
+    weight: torch.Tensor | None, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)``, then the per-channel affine transform (local, no communication)."""
+    y = (local - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * _channel_view(weight, local.dim())
+    if bias is not None:
+        y = y + _channel_view(bias, local.dim())
+    return y
+
+
 # -- batch norm -----------------------------------------------------------------------------
 def _update_running(
     running: torch.Tensor | None, value: torch.Tensor, momentum: float | None
@@ -211,12 +224,7 @@ def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: eval mode without running statistics is not supported")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    y = (local - mean) * torch.rsqrt(var + eps)
-    if weight is not None:
-        y = y * _channel_view(weight, ndim)
-    if bias is not None:
-        y = y + _channel_view(bias, ndim)
-    return layout.wrap(y)
+    return layout.wrap(_scale_and_shift(local, mean, var, eps, weight, bias))
 
 
 # -- instance norm --------------------------------------------------------------------------
@@ -250,12 +258,7 @@ def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict)
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: use_input_stats=False without running statistics is not supported")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    y = (local - mean) * torch.rsqrt(var + eps)
-    if weight is not None:
-        y = y * _channel_view(weight, ndim)
-    if bias is not None:
-        y = y + _channel_view(bias, ndim)
-    return layout.wrap(y)
+    return layout.wrap(_scale_and_shift(local, mean, var, eps, weight, bias))
 
 
 # -- group norm -----------------------------------------------------------------------------

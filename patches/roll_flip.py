@@ -34,6 +34,7 @@ from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = ["FLIP_TARGETS", "ROLL_TARGETS", "sharded_flip", "sharded_roll"]
@@ -43,25 +44,6 @@ def _as_tuple(value: Any) -> tuple:
     if isinstance(value, torch.Size):
         return tuple(value)
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def _checked_input(func: Callable, x: Any) -> ShardTensor:
-    name = describe_target(func)
-    if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
-    if any(p.is_partial() for p in x._spec.placements):
-        raise MissingShardPatch(
-            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; redistribute to Shard/Replicate first"
-        )
-    return x
-
-
-def _normalize_dim(func: Callable, dim: Any, ndim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise MissingShardPatch(f"{describe_target(func)}: dim {dim!r} is not supported on ShardTensor (ints are)")
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise IndexError(f"{describe_target(func)}: dim {dim} out of range for a {ndim}-d tensor")
-    return dim % max(ndim, 1)
 
 
 def _permute_rows(local: torch.Tensor, layout: DimLayout, source_of: Callable[[int], int]) -> torch.Tensor:
@@ -92,7 +74,7 @@ def sharded_roll(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     dims = rest.pop(0) if rest else kwargs.pop("dims", None)
     if rest or kwargs:
         raise TypeError(f"{describe_target(func)}: unexpected arguments {rest or sorted(kwargs)}")
-    x = _checked_input(func, x)
+    x = require_shard_input(func, x)
     layouts = sharded_dims(x)
     if dims is None or _as_tuple(dims) == ():
         if layouts:
@@ -106,7 +88,7 @@ def sharded_roll(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
         raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
     total_shift: dict[int, int] = {}
     for shift, dim in zip(shifts, dims):
-        d = _normalize_dim(func, dim, x.ndim)
+        d = normalize_dim(func, dim, x.ndim)
         total_shift[d] = total_shift.get(d, 0) + int(shift)
 
     local = x.to_local()
@@ -162,10 +144,10 @@ def sharded_flip(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     """
     if not args:
         raise TypeError(f"{describe_target(func)}: missing the input tensor")
-    x = _checked_input(func, args[0])
+    x = require_shard_input(func, args[0])
     if FLIP_TARGETS[func] is not None and x.ndim < FLIP_TARGETS[func][0] + 1:
         raise RuntimeError(f"{describe_target(func)}: input must be >= {FLIP_TARGETS[func][0] + 1}-d")
-    dims = [_normalize_dim(func, d, x.ndim) for d in _flip_dims(func, args, kwargs)]
+    dims = [normalize_dim(func, d, x.ndim) for d in _flip_dims(func, args, kwargs)]
     if len(set(dims)) != len(dims):
         raise RuntimeError(f"{describe_target(func)}: dims {dims} has a repeated dim")
     layouts = sharded_dims(x)

@@ -38,6 +38,7 @@ from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.primitives import DimLayout, dim_layout, from_local_like
+from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = ["CUMSUM_TARGETS", "SOFTMAX_TARGETS", "sharded_cumsum", "sharded_softmax"]
@@ -64,20 +65,8 @@ def _bind(func: Callable, args: tuple, kwargs: dict, names: Sequence[tuple[str, 
 
 def _checked_input(func: Callable, x: Any, dim: Any) -> tuple[ShardTensor, int]:
     """Validate the sharded input and normalize ``dim``."""
-    name = describe_target(func)
-    if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
-    if any(p.is_partial() for p in x._spec.placements):
-        raise MissingShardPatch(
-            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; "
-            "redistribute to Shard/Replicate first (a softmax/cumsum of a partial sum is not the sum of them)"
-        )
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise MissingShardPatch(f"{name}: dim={dim!r} is not supported on ShardTensor (an int dim is)")
-    ndim = max(x.ndim, 1)
-    if not -ndim <= dim < ndim:
-        raise IndexError(f"{name}: dim {dim} out of range for a {x.ndim}-d tensor")
-    return x, dim % ndim
+    x = require_shard_input(func, x, "a softmax/cumsum of a partial sum is not the sum of them")
+    return x, normalize_dim(func, dim, x.ndim)
 
 
 def _softmax_dim_legacy(ndim: int) -> int:

@@ -15,6 +15,7 @@ MODULES = [
     "physicsnemo_shardext.inventory",
     "physicsnemo_shardext.loader",
     "physicsnemo_shardext.markers",
+    "physicsnemo_shardext.primitives.checks",
     "physicsnemo_shardext.primitives.index_exchange",
     "physicsnemo_shardext.primitives.layout",
     "physicsnemo_shardext.provenance",

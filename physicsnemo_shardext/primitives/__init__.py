@@ -8,6 +8,7 @@ Example::
     padded = gather_global_indices(x.to_local(), layout, lambda c: halo_indices(layout, c, 1, 1))
 """
 
+from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.primitives.index_exchange import (
     ExchangePlan,
     gather_global_indices,
@@ -30,6 +31,8 @@ __all__ = [
     "from_local_like",
     "gather_global_indices",
     "halo_indices",
+    "normalize_dim",
     "plan_exchange",
+    "require_shard_input",
     "sharded_dims",
 ]

@@ -1,0 +1,57 @@
+"""Argument checks that shard patches share: a usable sharded input, an integer dim.
+
+Each raises ``MissingShardPatch`` (or ``IndexError`` for an out-of-range dim, as
+torch does) with the op's name, so a refused call says which op and why.
+
+>>> import torch
+>>> normalize_dim(torch.roll, -1, 4)
+3
+>>> normalize_dim(torch.roll, "h", 4)
+Traceback (most recent call last):
+...
+physicsnemo.domain_parallel.shard_utils.patch_core.MissingShardPatch: torch.roll: dim='h' is not supported on ShardTensor (an int dim is)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from physicsnemo.domain_parallel import ShardTensor
+
+from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.targets import describe_target
+
+__all__ = ["normalize_dim", "require_shard_input"]
+
+
+def require_shard_input(func: Callable, x: Any, why_partial: str = "") -> ShardTensor:
+    """``x`` if it is a ShardTensor without ``Partial`` placements; else refuse naming ``func``.
+
+    ``why_partial`` adds the op-specific reason a partial sum cannot be used.
+
+    Example::
+
+        x = require_shard_input(torch.flip, args[0])
+    """
+    name = describe_target(func)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
+    if any(p.is_partial() for p in x._spec.placements):
+        reason = f" ({why_partial})" if why_partial else ""
+        raise MissingShardPatch(
+            f"{name}: input has a Partial placement {tuple(x._spec.placements)}; "
+            f"redistribute to Shard/Replicate first{reason}"
+        )
+    return x
+
+
+def normalize_dim(func: Callable, dim: Any, ndim: int) -> int:
+    """``dim`` as a non-negative int for an ``ndim``-d tensor; named dims are refused."""
+    name = describe_target(func)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise MissingShardPatch(f"{name}: dim={dim!r} is not supported on ShardTensor (an int dim is)")
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"{name}: dim {dim} out of range for a {ndim}-d tensor")
+    return dim % size
