@@ -1,17 +1,19 @@
-"""Train PhysicsNeMo's FNO domain-parallel with ShardTensor and check its loss tracks a single process.
+"""Train PhysicsNeMo's FNO (or AFNO) domain-parallel with ShardTensor and check its loss tracks a single process.
 
 Runs the same on a laptop CPU (gloo) and on GPUs (NCCL)::
 
     torchrun --nproc-per-node 2 examples/fno_training_cpu.py
     torchrun --nproc-per-node 4 examples/fno_training_cpu.py --height 37 --steps 20
+    torchrun --nproc-per-node 2 examples/fno_training_cpu.py --model afno --height 36
 
 The task is synthetic: map a random 2-channel field to a fixed smoothing of it
 (a low-pass filter plus a product of the channels), an operator an FNO learns
 quickly. Each rank holds a horizontal band of every sample (bands are uneven
-when the height does not divide). The FNO is ``physicsnemo.models.fno.FNO``,
-unmodified: ``import physicsnemo_shardext`` installs the plugins that make its
-``rfft2``/``irfft2``, spectral mode slicing and complex ``einsum`` work on the
-sharded field, and ``physicsnemo_shardext.initialize()`` brings up
+when the height does not divide; for AFNO they follow patch rows). The model is
+``physicsnemo.models.fno.FNO`` with its default options, or
+``physicsnemo.models.afno.AFNO``, unmodified: ``import physicsnemo_shardext``
+installs the plugins that make its ``rfft2``/``irfft2``, spectral mode slicing,
+complex ``einsum``, coordinate features and AFNO's buffers work on the sharded field, and ``physicsnemo_shardext.initialize()`` brings up
 ``DistributedManager`` on CPU, where PhysicsNeMo 2.2.2's own initializer fails.
 
 Every rank also trains an identical copy of the model on the full samples with
@@ -26,25 +28,38 @@ import argparse
 import copy
 
 import torch
-from physicsnemo.domain_parallel import ShardTensor, scatter_tensor
+from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.models.afno import AFNO
 from physicsnemo.models.fno import FNO
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module
 
 import physicsnemo_shardext
 
 
-def build_model(latent: int, modes: int) -> torch.nn.Module:
-    """A small 2-D FNO: 2 input channels, 1 output, two spectral layers.
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """A small 2-D FNO (FNO's defaults: domain padding, coordinate features) or AFNO; 2 channels in, 1 out."""
+    if args.model == "afno":
+        return AFNO(inp_shape=[args.height, args.width], in_channels=2, out_channels=1,
+                    patch_size=[args.patch, args.patch], embed_dim=args.latent, depth=2, num_blocks=2)
+    return FNO(in_channels=2, out_channels=1, dimension=2, latent_channels=args.latent, num_fno_layers=2,
+               num_fno_modes=args.modes, decoder_layers=1, decoder_layer_size=16)
 
-    ``padding=0``: no domain padding. ``coord_features=False``: FNO would
-    ``torch.cat`` a plain, full-size coordinate grid to the sharded input, which
-    the ``misc_ops`` plugin refuses (``MissingShardPatch``) instead of guessing
-    how to cut it.
-    """
-    return FNO(
-        in_channels=2, out_channels=1, dimension=2, latent_channels=latent, num_fno_layers=2,
-        num_fno_modes=modes, decoder_layers=1, decoder_layer_size=16, padding=0, coord_features=False,
-    )
+
+def shard_heights(args: argparse.Namespace, world_size: int) -> list[int]:
+    """Rows per rank: as even as possible, in whole patches for AFNO (a split inside a patch means nothing)."""
+    unit = args.patch if args.model == "afno" else 1
+    units = args.height // unit
+    return [unit * (units // world_size + (r < units % world_size)) for r in range(world_size)]
+
+
+def scatter_rows(full: torch.Tensor, mesh: DeviceMesh, heights: list[int]) -> ShardTensor:
+    """This rank's band of ``full`` (the same on every rank) as a ShardTensor sharded on H with ``heights``."""
+    rank = mesh.get_local_rank()
+    start = sum(heights[:rank])
+    local = full[:, :, start:start + heights[rank]].contiguous()
+    shapes = {0: tuple(torch.Size([*full.shape[:2], h, *full.shape[3:]]) for h in heights)}
+    return ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes=shapes)
 
 
 def make_dataset(samples: int, height: int, width: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,9 +77,11 @@ def make_dataset(samples: int, height: int, width: int, device: torch.device) ->
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("fno", "afno"), default="fno")
     parser.add_argument("--height", type=int, default=33, help="grid height, the sharded dimension")
     parser.add_argument("--width", type=int, default=24)
-    parser.add_argument("--latent", type=int, default=8, help="FNO latent channels")
+    parser.add_argument("--patch", type=int, default=4, help="AFNO patch size (height and width must divide)")
+    parser.add_argument("--latent", type=int, default=8, help="FNO latent channels / AFNO embedding size")
     parser.add_argument("--modes", type=int, default=6, help="Fourier modes kept per dimension")
     parser.add_argument("--samples", type=int, default=2, help="synthetic samples, one per step (cycled)")
     parser.add_argument("--steps", type=int, default=16)
@@ -81,10 +98,11 @@ def main() -> int:
     device = manager.device
 
     torch.manual_seed(0)  # same model and data on every rank, and for both runs
-    reference_model = build_model(args.latent, args.modes).to(device)
+    reference_model = build_model(args).to(device)
     sharded_model = distribute_module(copy.deepcopy(reference_model), mesh)  # replicated weights
     data = make_dataset(args.samples, args.height, args.width, device)
-    sharded_data = [(scatter_tensor(x, 0, mesh, (Shard(2),)), scatter_tensor(y, 0, mesh, (Shard(2),))) for x, y in data]
+    heights = shard_heights(args, manager.world_size)
+    sharded_data = [(scatter_rows(x, mesh, heights), scatter_rows(y, mesh, heights)) for x, y in data]
     reference_opt = torch.optim.Adam(reference_model.parameters(), lr=args.lr)
     sharded_opt = torch.optim.Adam(sharded_model.parameters(), lr=args.lr)
 
@@ -118,7 +136,7 @@ def main() -> int:
     if manager.rank == 0:
         reports = physicsnemo_shardext.get_registry().reports()
         plugins = ", ".join(r.plugin.name for r in reports if r.status.value == "loaded")
-        print(f"ranks {manager.world_size} ({device.type}), shard heights {local_heights}, plugins: {plugins}")
+        print(f"{args.model}: ranks {manager.world_size} ({device.type}), shard heights {local_heights}, plugins: {plugins}")
         print(f"loss curve sharded:        {' '.join(f'{a:.4f}' for a, _ in curves)}")
         print(f"loss curve single-process: {' '.join(f'{b:.4f}' for _, b in curves)}")
         print(f"loss {curves[0][1]:.4f} -> {curves[-1][1]:.4f}; worst relative loss difference {worst:.2e}, "

@@ -16,8 +16,10 @@ Delegated to the built-in: calls whose input is not a ShardTensor, and inputs
 sharded on the feature dimension (a contraction over a sharded dim, which the
 built-in routes to DTensor). Refused (``MissingShardPatch``): inputs with a
 ``Partial`` placement, sharded (non-``Replicate``) weights or biases, and one
-tensor dim sharded over several mesh dims (what flattening an H- and W-sharded
-grid into points gives; PhysicsNeMo cannot reshape such points back to a grid).
+tensor dim sharded over several mesh dims (what PhysicsNeMo's own ``view`` gives
+when flattening an H- and W-sharded grid into points, and cannot reshape back;
+with the ``misc_ops`` plugin that reshape gathers W first, so FNO's decoder
+gets points sharded over one mesh dim).
 
 Example (2 ranks, rows split 9/8)::
 

@@ -1,4 +1,4 @@
-"""Layout ops and PReLU on uneven shards: permute, transpose, contiguous/clone, cat, complex views, prelu.
+"""Layout ops and PReLU on uneven shards: permute, transpose, contiguous/clone, cat, reshape, complex views, prelu.
 
 PhysicsNeMo has no patch for these, so on a ShardTensor they take the DTensor
 fallback, which re-derives the output's shard sizes by *even chunking*
@@ -10,19 +10,27 @@ DTensor has no sharding rule for ``aten._prelu_kernel_backward``. PhysicsNeMo's
 own models hit all of them (UNet's attention gates and skip connections,
 SRResNet's ``PixelShuffle3d`` and ``PReLU``).
 
-Every op here is local, with no communication in the forward pass:
+Every op here is local, with no communication in the forward pass, except a
+reshape or flatten that merges two sharded dims (one all-gather):
 
 * ``permute`` / ``transpose``: the local block is permuted; each ``Shard(d)``
   follows its dimension to its new index, with the same per-rank row counts;
 * ``contiguous`` / ``clone``: same placements and row counts;
 * ``cat`` along a dimension that is not sharded: the inputs must share mesh,
   placements and row counts on every sharded dim (then the local blocks line
-  up row for row);
+  up row for row); a plain or replicated input of the full size (FNO's
+  coordinate grid) is cut to each rank's rows, its gradient summed over the shards;
 * ``stack`` of identically sharded tensors along a new dim; sharded dims at or
   after it move up by one;
-* ``flatten`` when the only sharded dim of the group is its first (rows stay
-  contiguous; row counts scale by the other dims' product), ``unflatten`` of a
-  sharded dim whose rows per rank are multiples of the new inner dims' product;
+* ``flatten`` when the group starts with a sharded dim (rows stay contiguous;
+  row counts scale by the other dims' product), ``unflatten`` of a sharded dim
+  whose rows per rank are multiples of the new inner dims' product;
+* ``reshape`` / ``view`` (override the built-ins) and ``flatten`` that merge two
+  sharded dims (an H- and W-sharded grid into points): the inner dim is gathered
+  over its mesh dim first (one all-gather), because DTensor cannot split points
+  over two mesh dims with uneven, per-group sizes; the points come out sharded
+  over the outer dim's mesh dim and replicated over the other. Other reshapes go
+  to PhysicsNeMo's built-in;
 * ``.real`` / ``.imag`` / ``torch.real`` / ``torch.imag`` / ``view_as_real`` /
   ``view_as_complex`` (AFNO's spectral block): views of the local block, same
   placements and row counts;
@@ -31,9 +39,9 @@ Every op here is local, with no communication in the forward pass:
   shard the input, in the backward pass only.
 
 Refused (``MissingShardPatch``): ``Partial`` inputs (prelu, cat), ``cat`` along a
-sharded dim or of tensors sharded differently (or mixing plain and sharded
-tensors), ``stack`` of differently sharded tensors, ``flatten`` with a sharded
-dim inside the group (not first), ``unflatten`` cutting across a rank
+sharded dim or of tensors sharded differently (or of a replicated input of the
+wrong size), ``stack`` of differently sharded tensors, ``flatten`` with a sharded
+dim inside a group that does not start with one, ``unflatten`` cutting across a rank
 boundary, a sharded prelu weight, ``view_as_complex`` with its last dim sharded.
 ``Partial`` inputs of flatten/unflatten/complex views take the DTensor
 fallback, as before this plugin.
@@ -50,18 +58,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
 from physicsnemo_shardext.primitives.layout import build_shard_tensor, from_local_like, sharded_dims
+from physicsnemo_shardext.primitives.replicated import replicated_local, replicated_part, sum_grad_over
 from physicsnemo_shardext.targets import describe_target
 
-__all__ = ["cat_local", "clone_local", "complex_view_local", "flatten_local", "stack_local", "unflatten_local", "permute_local", "prelu_local", "transpose_local"]
+__all__ = [
+    "cat_local", "clone_local", "complex_view_local", "flatten_local", "gather_dims", "permute_local", "prelu_local",
+    "reshape_merging_sharded_dims", "stack_local", "transpose_local", "unflatten_local",
+]
 
 
 def _moved(x: ShardTensor, local: torch.Tensor, order: Sequence[int]) -> ShardTensor:
@@ -156,11 +166,16 @@ def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTe
     start, end = int(start) % x.ndim, int(end) % x.ndim
     rows = _row_counts(x)
     inside = [d for d in rows if start < d <= end]
-    if inside:
+    if inside and start not in rows:
         raise MissingShardPatch(
             f"{describe_target(func)}({start}, {end}): dim {inside[0]} is sharded but is not the first of the "
             "flattened group; its rows would interleave across ranks"
         )
+    if inside:
+        # Two sharded dims in one group (an H- and W-sharded grid into points): DTensor can split
+        # the points over one mesh dim only, so the inner dims are gathered first.
+        x = gather_dims(x, inside)
+        rows = _row_counts(x)
     factor = 1
     for d in range(start + 1, end + 1):
         factor *= x.shape[d]
@@ -214,6 +229,75 @@ def unflatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Shard
     return build_shard_tensor(local, x._spec.mesh, placements, sizes)
 
 
+def _prefix_products(shape: Sequence[int]) -> list[int]:
+    products, running = [1], 1
+    for n in shape:
+        running *= n
+        products.append(running)
+    return products
+
+
+def _merged_sharded_dims(x: ShardTensor, new_shape: Sequence[int]) -> list[int]:
+    """Sharded dims of ``x`` that a reshape to ``new_shape`` merges into an earlier sharded dim.
+
+    Old dims ``a < b`` end up in one new dim unless the element offset at some boundary
+    ``k`` in ``(a, b]`` is also a boundary of the new shape (equal prefix products).
+    """
+    old_products = _prefix_products(x.shape)
+    new_boundaries = set(_prefix_products(new_shape))
+    merged, previous = [], None
+    for d in sorted(_row_counts(x)):
+        if previous is not None and not any(old_products[k] in new_boundaries for k in range(previous + 1, d + 1)):
+            merged.append(d)
+        else:
+            previous = d
+    return merged
+
+
+def gather_dims(x: ShardTensor, dims: Sequence[int]) -> ShardTensor:
+    """``x`` with ``dims`` made whole: their mesh dims become ``Replicate`` (uneven shards included).
+
+    Used where a layout op would interleave the rows of two sharded dims (flattening an H- and
+    W-sharded grid into points): DTensor can express the points split over one mesh dim, not
+    over two, so the inner dims are gathered first. Differentiable; the backward pass keeps
+    this rank's rows (the gradient of the now replicated dims is replicated).
+
+    Example::
+
+        points = gather_dims(grid, [2]).reshape(-1, channels)   # grid sharded on H (mesh 0) and W (mesh 1)
+    """
+    placements = [Replicate() if isinstance(p, Shard) and p.dim % x.ndim in dims else p for p in x._spec.placements]
+    return x.redistribute(x._spec.mesh, placements)
+
+
+def reshape_merging_sharded_dims(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``reshape``/``view`` that merges two sharded dims: gather the inner one first, then the built-in.
+
+    Every other reshape goes to PhysicsNeMo's built-in handler unchanged.
+
+    Example::
+
+        points = grid.permute(0, 2, 3, 1).reshape(-1, c)   # grid (1, c, H, W) sharded on H and W
+        # points: (H*W, c), Shard(0) over the H mesh dim (rows H_i * W), Replicate over the W mesh dim
+    """
+    x, *rest = args
+    builtin = builtin_handler(func)
+    if builtin is None:
+        raise MissingShardPatch(f"{describe_target(func)}: no built-in handler to delegate to")
+    if isinstance(x, ShardTensor) and not any(p.is_partial() for p in x._spec.placements):
+        shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
+        if isinstance(shape, int):
+            shape = (shape,)
+        try:
+            new_shape = torch.empty(x.shape, device="meta").reshape(tuple(shape)).shape
+        except (RuntimeError, TypeError):
+            new_shape = None  # let the built-in report the bad shape
+        merged = _merged_sharded_dims(x, new_shape) if new_shape is not None else []
+        if merged:
+            args = (gather_dims(x, merged), *rest)
+    return builtin(func, types, args, kwargs)
+
+
 def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
     return {d: layout.sizes for d, layout in sharded_dims(x).items()}
 
@@ -246,6 +330,14 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
 
         patches.function(torch.cat, cat_local)
     """
+    tensors = list(kwargs.get("tensors", args[0] if args else ()))
+    dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+    reference = next((t for t in tensors if isinstance(t, ShardTensor)), None)
+    if reference is not None and any(isinstance(t, torch.Tensor) and not isinstance(t, ShardTensor) for t in tensors):
+        # A replicated operand (a plain tensor, e.g. FNO's full coordinate grid, or a Replicate
+        # DTensor) is cut to the ShardTensor's rows; its gradient, if any, is summed over the shards.
+        tensors = [_replicated_rows(t, reference, func) if not isinstance(t, ShardTensor) else t for t in tensors]
+        args, kwargs = (tensors, dim), {}
     tensors, dim = _identical_shard_inputs(func, args, kwargs, "concatenation")
     first = tensors[0]
     dim %= first.ndim
@@ -256,6 +348,17 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
         )
     local = torch.cat([t.to_local() for t in tensors], dim=dim)
     return from_local_like(local, first)
+
+
+def _replicated_rows(value: Any, like: ShardTensor, func: Any) -> ShardTensor:
+    """A replicated operand of ``cat`` as a ShardTensor split like ``like`` (no broadcasting, as in ``cat``)."""
+    name = describe_target(func)
+    if value.ndim != like.ndim or any(value.shape[d] != like.shape[d] for d in _row_counts(like)):
+        raise MissingShardPatch(
+            f"{name}: a replicated input of shape {tuple(value.shape)} does not match the sharded dims of "
+            f"shape {tuple(like.shape)}"
+        )
+    return from_local_like(replicated_part(value, like, f"{name}: replicated input"), like)
 
 
 def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
@@ -279,31 +382,6 @@ def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
     return build_shard_tensor(local, first._spec.mesh, new_placements, sizes)
 
 
-class _SumGradOverMeshDims(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over the given mesh dims."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
-        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.contiguous().clone()
-        for mesh_dim in ctx.mesh_dims:
-            dist.all_reduce(grad, group=ctx.mesh.get_group(mesh_dim))
-        return grad, None, None
-
-
-def _replicated_value(weight: torch.Tensor, name: str) -> torch.Tensor:
-    if isinstance(weight, (ShardTensor, DTensor)):
-        placements: Sequence[Placement] = weight.placements
-        if not all(p.is_replicate() for p in placements):
-            raise MissingShardPatch(f"{name}: weight must be replicated, got placements {tuple(placements)}")
-        return weight.to_local()
-    return weight
-
-
 def prelu_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
     """``F.prelu(x, weight)`` on the local block; the weight gradient is summed over the shards.
 
@@ -319,9 +397,9 @@ def prelu_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
     placements = tuple(x._spec.placements)
     if any(p.is_partial() for p in placements):
         raise MissingShardPatch(f"{name}: input has a Partial placement {placements}")
-    w = _replicated_value(weight, name)
+    w = replicated_local(weight, f"{name}: weight")
     shard_mesh_dims = tuple(i for i, p in enumerate(placements) if isinstance(p, Shard))
-    w = _SumGradOverMeshDims.apply(w, x._spec.mesh, shard_mesh_dims)
+    w = sum_grad_over(w, x._spec.mesh, shard_mesh_dims)
     return from_local_like(F.prelu(x.to_local(), w), x)
 
 
@@ -360,3 +438,6 @@ def shardext_declare_patches(patches: Any) -> None:
     """Declare the local layout handlers and prelu."""
     for target, handler, description in _TARGETS:
         patches.function(target, handler, description=description)
+    for target in (torch.Tensor.reshape, torch.reshape, torch.Tensor.view):
+        patches.function(target, reshape_merging_sharded_dims, override=True,
+                         description="reshape merging two sharded dims: gather the inner one, then the built-in")

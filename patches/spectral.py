@@ -26,25 +26,27 @@ op below works per sharded dim, so both cases take the same code):
   object is swapped for the updated one with ``torch.utils.swap_tensors``),
   so gradients reach ``value`` and whatever ``out`` was computed from.
 
+* ``plain[idx] = value`` with a sharded ``value``: a plain tensor is a
+  replicated global value, so ``value`` is gathered (``gather_full``) and
+  written into the caller's tensor, found behind the ``Replicate`` DTensor that
+  ShardTensor promotes it to. What follows runs on the full buffer on every
+  rank (correct, not domain-parallel); layers that do this should be run inside
+  ``primitives.allocation.sharded_allocations`` (see ``patches/afno.py``).
 * ``replicated + shard`` (``torch.add``, ``Tensor.add``, ``+``): a replicated
-  tensor of the same global shape that needs no gradient (PhysicsNeMo's
-  ``torch.zeros(...)`` spectrum buffer, promoted to ``Replicate``) is cut to the
-  ShardTensor's own split and added locally; the output keeps that split. Every
-  ShardTensors of the same shape and placements are added on the first one's
-  split (the second one's rows that change owner move with one all-to-all per
-  differing dim, none when the splits agree). Every other addition takes the
-  DTensor fallback, as before this plugin.
+  tensor (a plain one, promoted to ``Replicate``, or a ``Replicate`` DTensor
+  parameter) that broadcasts against the ShardTensor without enlarging it is
+  cut to the ShardTensor's own rows and added locally; its gradient is summed
+  over the shards (``replicated_part``). Two ShardTensors of the same shape and
+  placements are added on the first one's split (the second one's rows that
+  change owner move with one all-to-all per differing dim, none when the splits
+  agree). Every other addition takes the DTensor fallback, as before this plugin.
 
 Refused (``MissingShardPatch``):
 
 * einsum that contracts a sharded index (the result would be a partial sum),
   two operands sharded differently on one index, ``...`` over a sharded dim
   mixed with broadcasting, a ``Partial`` or ``Shard`` DTensor operand;
-* ``plain[idx] = shard_tensor``: writing a sharded value into a plain tensor
-  (``torch.zeros(...)`` in a textbook FNO/AFNO block) would leave a full,
-  replicated buffer cut off from the sharded autograd graph; the message says
-  to build the buffer from the spectrum (``torch.zeros_like(x_ft)``) or to use
-  ``F.pad`` + add as PhysicsNeMo's ``SpectralConv2d`` does;
+* setitem into a DTensor target that is not a promoted plain tensor;
 * setitem whose value is sharded differently from the target region.
 
 Example (2 ranks, spectrum sharded on dim 3, split 5/4)::
@@ -63,7 +65,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -71,6 +72,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.primitives.index_exchange import gather_global_indices
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
+from physicsnemo_shardext.primitives.replicated import gather_full, replicated_local, replicated_part, sum_grad_over
 
 __all__ = ["plan_index", "replicated_add", "sharded_einsum", "sharded_getitem", "sharded_setitem"]
 
@@ -183,6 +185,7 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
 
     ``value`` is a number, a ShardTensor split like the target region (as a slice of a
     tensor sharded like ``out`` is), or a replicated tensor of the region's global shape.
+    A plain ``out`` receives the gathered value instead (see ``_write_into_plain``).
 
     Example::
 
@@ -191,13 +194,8 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     """
     target, index, value = args[0], args[1], args[2]
     if not isinstance(target, ShardTensor):
-        raise MissingShardPatch(
-            "torch.Tensor.__setitem__: writing a ShardTensor into a plain (replicated) tensor, "
-            f"shape {tuple(target.shape)}: the buffer would be full-size on every rank and cut off from "
-            "the sharded autograd graph. Build the buffer from the sharded spectrum instead "
-            "(e.g. out = torch.zeros_like(x_ft), sharded like x_ft), or use F.pad + add as "
-            "physicsnemo's SpectralConv2d does"
-        )
+        _write_into_plain(target, index, value)
+        return
     if any(p.is_partial() for p in target._spec.placements):
         raise MissingShardPatch(f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements}")
     try:
@@ -218,6 +216,41 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
             f"torch.Tensor.__setitem__ on a ShardTensor: cannot update it in place ({why}); "
             "write out = out.index_put(...) style code or use F.pad + add"
         ) from None
+
+
+def _promoted_plain(target: Any) -> torch.Tensor | None:
+    """The user's plain tensor behind a ``Replicate`` DTensor that ShardTensor promoted for this call.
+
+    ShardTensor hands handlers ``DTensor.from_local(plain)``, whose local tensor is a view
+    of ``plain``; writing into that view would bypass autograd, so the write goes to
+    ``plain`` itself.
+    """
+    if not isinstance(target, DTensor) or not all(p.is_replicate() for p in target.placements):
+        return None
+    base = target._local_tensor._base
+    if type(base) not in (torch.Tensor, torch.nn.Parameter) or tuple(base.shape) != tuple(target.shape):
+        return None
+    return base if base.data_ptr() == target._local_tensor.data_ptr() else None
+
+
+def _write_into_plain(target: Any, index: Any, value: Any) -> None:
+    """``plain[index] = shard``: the plain buffer is replicated, so it receives the gathered value.
+
+    Everything computed from the buffer afterwards is computed redundantly on every rank
+    (correct, but not domain-parallel); ``replicated_part`` cuts it back to a shard where it
+    meets one, and keeps its gradient whole.
+    """
+    plain = _promoted_plain(target)
+    if plain is None:
+        raise MissingShardPatch(
+            f"torch.Tensor.__setitem__: cannot write into a {type(target).__name__} target with placements "
+            f"{getattr(target, 'placements', None)}; only ShardTensors and plain tensors are supported"
+        )
+    if isinstance(value, ShardTensor):
+        value = gather_full(value)
+    elif isinstance(value, DTensor):
+        value = replicated_local(value, "torch.Tensor.__setitem__: value")
+    plain[index] = value
 
 
 def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: torch.Tensor) -> Any:
@@ -257,20 +290,22 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
 
 # -- adding a replicated buffer -------------------------------------------------------------
 def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
-    """``full_plain + shard`` (either order): add this rank's part of the replicated tensor locally.
+    """``replicated + shard`` (either order): add this rank's part of the replicated tensor locally.
 
     PhysicsNeMo's ``SpectralConv2d`` starts from ``torch.zeros(B, Co, H, W//2+1)`` (plain,
-    promoted to ``Replicate``) and adds the padded, sharded mode products. The DTensor
-    fallback re-cuts the replicated tensor evenly, which fails for uneven spectra; here it is
-    cut to the ShardTensor's own split. Only an exact global-shape match of a replicated
-    operand that does not require grad, or two ShardTensors of identical shape and
-    placements (the result takes the first one's split; the second's rows that change
-    owner are exchanged), take this path; every other addition (broadcasting, scalars,
-    ``alpha=``) goes to the DTensor fallback as before.
+    promoted to ``Replicate``) and adds the padded, sharded mode products; AFNO adds a
+    trainable positional embedding ``(1, N, D)`` to its ``(B, N, D)`` tokens. The DTensor
+    fallback re-cuts the replicated tensor evenly, which fails for uneven splits; here it
+    is cut to the ShardTensor's own rows (``replicated_part``: broadcasting like ``+``, the
+    gradient summed over the shards). Two ShardTensors of identical shape and placements
+    are added on the first one's split (the second's rows that change owner are exchanged).
+    Every other addition (one that enlarges the ShardTensor, scalars, ``alpha=``) goes to
+    the DTensor fallback as before.
 
     Example::
 
         out_ft = torch.zeros(x_ft.shape, dtype=torch.cfloat) + F.pad(modes, (0, w - m2, 0, h - m1))
+        tokens = tokens + pos_embed          # pos_embed (1, N, D), trainable
     """
     if len(args) != 2 or kwargs:
         return _torch_function_fallback_via_dtensor(func, args, kwargs)
@@ -297,17 +332,18 @@ def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         and not isinstance(rep, ShardTensor)
         and all(isinstance(p, Replicate) for p in rep.placements)
         and not any(p.is_partial() for p in shard._spec.placements)
-        and tuple(rep.shape) == tuple(shard.shape)
-        and not rep.requires_grad
+        and torch.broadcast_shapes(rep.shape, shard.shape) == shard.shape
     ):
         return _torch_function_fallback_via_dtensor(func, args, kwargs)
-    layouts = sharded_dims(shard)
-    part = rep.to_local()
-    for d, layout in layouts.items():
-        part = part.narrow(d, layout.start, layout.local_size)
+    part = replicated_part(rep, shard, f"{_name(func)}: replicated operand")
     local = shard.to_local() + part if shard is a else part + shard.to_local()
+    layouts = sharded_dims(shard)
     return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements,
                               {d: l.sizes for d, l in layouts.items()})
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
 
 
 def _same_placements(a: Any, b: Any) -> bool:
@@ -322,22 +358,6 @@ def _same_placements(a: Any, b: Any) -> bool:
 
 
 # -- einsum -------------------------------------------------------------------------------
-class _SumGradOver(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over the given process groups."""
-
-    @staticmethod
-    def forward(ctx, t, groups):  # type: ignore[override]
-        ctx.groups = groups
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        for group in ctx.groups:
-            dist.all_reduce(grad, group=group)
-        return grad, None
-
-
 def _split_equation(equation: str, operands: Sequence[torch.Tensor]) -> tuple[list[str], str]:
     """Explicit subscripts per operand and for the output, with ``...`` spelled out."""
     equation = equation.replace(" ", "")
@@ -396,7 +416,7 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
             f"torch.einsum {equation!r}: contracts sharded index(es) {contracted}; the result would be a partial "
             "sum over ranks (not supported: shard another dim, or reduce explicitly)"
         )
-    groups = [mesh.get_group(m) for m in sorted({m for m, _, _ in sharded.values()})]
+    shard_mesh_dims = sorted({m for m, _, _ in sharded.values()})
 
     locals_: list[torch.Tensor] = []
     for subs, op in zip(subscripts, operands):
@@ -416,9 +436,9 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
             local = op.to_local()
         else:
             local = op
-        if local.requires_grad and groups:
+        if local.requires_grad:
             # Each rank only sees its rows: the full gradient is the sum over ranks.
-            local = _SumGradOver.apply(local, groups)
+            local = sum_grad_over(local, mesh, shard_mesh_dims)
         for d, letter in enumerate(subs):
             if letter in sharded and local.shape[d] != 1:
                 mesh_dim, sizes, layout = sharded[letter]
@@ -450,7 +470,7 @@ def shardext_declare_patches(patches: Any) -> None:
     patches.function(torch.Tensor.__getitem__, sharded_getitem,
                      description="basic slicing on each rank's own rows (uneven result, no communication)")
     patches.function(torch.Tensor.__setitem__, sharded_setitem,
-                     description="slice assignment into a ShardTensor by local writes (autograd-correct)")
+                     description="slice assignment into a ShardTensor by local writes; into a plain tensor by gathering")
     for target in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__):
         patches.function(target, replicated_add,
                          description="replicated full tensor + ShardTensor cut to the shard's own split; else fallback")

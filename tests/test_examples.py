@@ -35,17 +35,23 @@ def test_minimal_example_from_getting_started():
     assert "rank 1: local rows (5, 16), matches single-process" in result.stdout
 
 
-def test_fno_training_example_tracks_single_process():
-    """examples/fno_training_cpu.py trains PhysicsNeMo's FNO on 2 ranks ([17, 16] rows) like one process."""
+@pytest.mark.parametrize(
+    ("options", "model", "heights", "plugins"),
+    [([], "fno", "[17, 16]", {"fft", "spectral", "misc_ops"}),
+     (["--model", "afno", "--height", "36"], "afno", "[20, 16]", {"fft", "spectral", "afno"})],
+    ids=["fno", "afno"],
+)
+def test_fno_training_example_tracks_single_process(options, model, heights, plugins):
+    """examples/fno_training_cpu.py trains PhysicsNeMo's FNO (defaults) or AFNO on 2 uneven ranks like one process."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(EXAMPLES / "fno_training_cpu.py"), "--steps", "6"],
+         str(EXAMPLES / "fno_training_cpu.py"), "--steps", "6", *options],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "ranks 2 (cpu), shard heights [17, 16]" in result.stdout
-    plugins = re.search(r"plugins: (.*)", result.stdout).group(1).split(", ")
-    assert {"fft", "spectral"} <= set(plugins)  # loaded, so the spectral ops are not on the fallback
+    assert f"{model}: ranks 2 (cpu), shard heights {heights}" in result.stdout
+    loaded = re.search(r"plugins: (.*)", result.stdout).group(1).split(", ")
+    assert plugins <= set(loaded)  # loaded, so the spectral ops are not on the fallback
     curves = re.findall(r"loss curve (?:sharded|single-process): +(.*)", result.stdout)
     assert len(curves) == 2 and len(curves[0].split()) == 6
     match = re.search(r"worst relative loss difference (\S+), max weight difference (\S+) -> TRACKS", result.stdout)

@@ -1,4 +1,4 @@
-"""PhysicsNeMo's FNO and AFNO, unmodified, run domain-parallel: FNO matches the single process, AFNO is refused.
+"""PhysicsNeMo's FNO and AFNO, unmodified, run domain-parallel and match the single-process run.
 
 The models are built exactly as a user would build them and wrapped by
 ``check_conformance`` (parameters replicated with ``distribute_module``); only the
@@ -25,39 +25,41 @@ Configurations (small on purpose):
 * **AFNO** (``AFNO_CONFIG``): ``inp_shape=[32, 16], in_channels=2,
   out_channels=1, patch_size=[4, 4], embed_dim=8, depth=1, num_blocks=2`` on
   ``1x2x32x16``. AFNO patchifies (a stride-4 convolution), then works on the
-  ``8x4`` patch grid, so shard boundaries must fall on patch boundaries (a
-  boundary inside a patch has no meaning on the token grid): ``[16, 16]``,
-  ``[8, 8, 8, 8]``, and ``H [16, 16]``, ``W [8, 8]`` on the 2x2 mesh.
+  ``8x4`` patch grid, so shard boundaries fall on patch boundaries: ``[16, 16]``
+  and ``[12, 20]`` on 2 ranks, ``[4, 12, 8, 8]`` on 4, and ``H [12, 20]``,
+  ``W [8, 8]`` or ``[4, 12]`` on the 2x2 mesh.
 
-``padding=0``: FNO's default domain padding (``F.pad`` on the far end of H/W
-and the matching ``x[..., :-p, :-p]``) belongs to the padding family, not to
-the spectral ops these tests are about.
+``padding=0, coord_features=False`` keep the main tests about the spectral ops;
+FNO's defaults (domain padding 8 with ``F.pad`` on the far end of H/W and the
+matching ``x[..., :-8, :-8]``; a *plain*, full-size coordinate grid concatenated
+to the sharded input, which ``misc_ops``'s ``cat`` cuts to each rank's rows) are
+tested as well, 2-D on 2 ranks and on the 2x2 mesh, 3-D on 2 ranks.
 
-Why ``coord_features=False`` (FNO's default is ``True``): FNO concatenates a
-*plain*, full-size coordinate grid to the sharded input (``torch.cat`` on the
-channel dim). The ``misc_ops`` plugin refuses a ``cat`` that mixes plain and
-sharded tensors with ``MissingShardPatch``; the default configuration is
-therefore tested for exactly that refusal.
+On the 2x2 mesh, FNO's decoder flattens the H- and W-sharded grid into points
+and AFNO's patch embedding flattens its token grid. DTensor can split points over
+one mesh dim only (a nested split would need per-group shard sizes), so the
+flatten/reshape gathers W over the "w" mesh dim first: one all-gather, after which
+the model runs H-sharded and W-replicated, and the output comes back that way.
 
-Why AFNO is refused: its spectral block (``AFNO2DLayer``) allocates
-``torch.zeros(...)`` buffers (plain, full-size) and writes the sharded spectrum
-into them with slice assignment. The ``spectral`` plugin refuses
-``plain[idx] = shard_tensor`` with ``MissingShardPatch`` rather than leave a
-full-size buffer detached from the sharded autograd graph, so running AFNO
-unmodified must raise that error, on every rank, before any wrong number can
-come out. (Patch-aligned *uneven* splits, e.g. ``[12, 20]``, get through the
-patch embedding's ``flatten(2)`` (``misc_ops``) but fail earlier, with a
-RuntimeError in the DTensor fallback of ``x + self.pos_embed``, which assumes
-``torch.chunk`` splits; they are not tested here.)
+AFNO's spectral filter (``AFNO2DLayer``) allocates ``torch.zeros(...)`` buffers
+and fills them by slice assignment; the ``afno`` plugin has those buffers
+allocated sharded like the spectrum, so the filter stays domain-parallel (forward:
+one all-to-all for ``rfft2``, one for ``irfft2``). Without that plugin the
+spectrum would be gathered into the plain buffers, and with ``distribute_module``
+parameters DTensor then refuses to mix them with the weights (tested).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+
+import physicsnemo_shardext
 from physicsnemo.models.afno import AFNO
 from physicsnemo.models.fno import FNO
-from torch.distributed.tensor import Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
@@ -100,23 +102,37 @@ def test_fno2d_encoder_on_2x2_spatial_mesh(spatial_mesh):
 
 
 @pytest.mark.multirank(4, timeout=60)
-def test_fno2d_on_2x2_spatial_mesh_decoder_is_refused_not_wrong(spatial_mesh):
-    # The spectral part conforms on this mesh (test above). FNO's decoder then flattens the H- and
-    # W-sharded grid into points, giving nested (Shard(0), Shard(0)) placements; PhysicsNeMo's view
-    # cannot reshape such points back into the grid, so the linear patch refuses them up front.
-    model = distribute_module(FNO(**FNO2D), spatial_mesh)
-    x = shard_tensor(torch.randn(1, 2, 17, 13), spatial_mesh, [Shard(2), Shard(3)], {0: [9, 8], 1: [7, 6]},
-                     requires_grad=True)
-    with pytest.raises(MissingShardPatch, match=r"nested sharding"):
-        model(x)
+def test_fno2d_on_2x2_spatial_mesh(spatial_mesh):
+    # The decoder flattens the H- and W-sharded grid into points. DTensor can split points over one
+    # mesh dim only, so the reshape gathers W over the "w" mesh dim first: the decoder runs on points
+    # sharded over "h" and replicated over "w", and the output comes back H-sharded, W-replicated.
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [9, 8], 1: [7, 6]})
+    report = check_conformance(FNO(**FNO2D), [torch.randn(1, 2, 17, 13)], spec,
+                               expected_placements=[Shard(2), Replicate()], **TOLERANCE)
+    gathers = {op: n for op, n in report.comms.forward.counts.items() if "gather" in op}
+    assert sum(gathers.values()) == 1, report.comms.forward.counts  # the one gather before the decoder
+
+
+def _with_defaults(config: dict) -> dict:
+    """The config with FNO's own defaults for domain padding and coordinate features."""
+    return {k: v for k, v in config.items() if k not in ("padding", "coord_features")}
 
 
 @pytest.mark.multirank(2, timeout=60)
-def test_fno2d_with_coordinate_features_is_refused_not_wrong(domain_mesh):
-    model = distribute_module(FNO(**{**FNO2D, "coord_features": True}), domain_mesh)
-    x = shard_tensor(torch.randn(1, 2, 17, 13), domain_mesh, [Shard(2)], [9, 8], requires_grad=True)
-    with pytest.raises(MissingShardPatch, match=r"torch\.cat"):
-        model(x)
+def test_fno2d_with_default_padding_and_coordinate_features(domain_mesh):
+    # FNO's defaults: a plain, full-size coordinate grid is concatenated to the sharded input (the
+    # cat cuts it to each rank's rows, no communication) and the field is padded by 8 on the far end
+    # of H and W, then cropped with x[..., :-8, :-8] (padding and spectral plugins).
+    report = check_conformance(FNO(**_with_defaults(FNO2D)), [torch.randn(1, 2, 17, 13)],
+                               ShardSpec(domain_mesh, [Shard(2)], [9, 8]), **TOLERANCE)
+    assert not any("gather" in op for op in report.comms.forward.counts), report.comms.forward.counts
+
+
+@pytest.mark.multirank(4, timeout=60)
+def test_fno2d_with_defaults_on_2x2_spatial_mesh(spatial_mesh):
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [9, 8], 1: [7, 6]})
+    check_conformance(FNO(**_with_defaults(FNO2D)), [torch.randn(1, 2, 17, 13)], spec,
+                      expected_placements=[Shard(2), Replicate()], **TOLERANCE)
 
 
 # -- FNO 3-D ----------------------------------------------------------------------------------
@@ -130,28 +146,52 @@ def test_fno3d_on_4_ranks_uneven(domain_mesh):
     _check(FNO(**FNO3D), torch.randn(1, 2, 9, 6, 6), ShardSpec(domain_mesh, [Shard(2)], [3, 2, 2, 2]))
 
 
+@pytest.mark.multirank(2, timeout=60)
+def test_fno3d_with_default_padding_and_coordinate_features(domain_mesh):
+    _check(FNO(**_with_defaults(FNO3D)), torch.randn(1, 2, 9, 6, 6), ShardSpec(domain_mesh, [Shard(2)], [5, 4]))
+
+
 # -- AFNO -------------------------------------------------------------------------------------
-def _assert_afno_refused(mesh, placements, split_sizes, match: str = r"__setitem__.*plain") -> None:
-    model = distribute_module(AFNO(**AFNO_CONFIG), mesh)
-    x = shard_tensor(torch.randn(1, 2, 32, 16), mesh, placements, split_sizes, requires_grad=True)
-    with pytest.raises(MissingShardPatch, match=match) as refusal:
-        model(x)
-    if "__setitem__" in str(refusal.value):
-        assert "zeros_like" in str(refusal.value)  # the message says how to write the layer instead
+def _check_afno(spec: ShardSpec, **kwargs) -> Any:
+    model = AFNO(**AFNO_CONFIG)
+    report = check_conformance(model, [torch.randn(1, 2, 32, 16)], spec, **TOLERANCE, **kwargs)
+    names = {name for name, _ in model.named_parameters()}
+    compared = {k.split("'")[1] for k in report.max_abs_errors if k.startswith("gradient of parameter")}
+    assert compared == names, f"parameters without a compared gradient: {sorted(names - compared)}"
+    return report
 
 
 @pytest.mark.multirank(2, timeout=60)
-def test_afno_on_2_ranks_is_refused_not_wrong(domain_mesh):
-    _assert_afno_refused(domain_mesh, [Shard(2)], [16, 16])
+@pytest.mark.parametrize("split", [[16, 16], [12, 20]], ids=["even", "uneven"])
+def test_afno_on_2_ranks(domain_mesh, split):
+    report = _check_afno(ShardSpec(domain_mesh, [Shard(2)], split))
+    # The spectral filter stays sharded (the afno plugin allocates its buffers sharded): rfft2 and
+    # irfft2 are one all-to-all each, and nothing is gathered.
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
 
 
 @pytest.mark.multirank(4, timeout=60)
-def test_afno_on_4_ranks_is_refused_not_wrong(domain_mesh):
-    _assert_afno_refused(domain_mesh, [Shard(2)], [8, 8, 8, 8])
+def test_afno_on_4_ranks(domain_mesh):
+    report = _check_afno(ShardSpec(domain_mesh, [Shard(2)], [4, 12, 8, 8]))
+    assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
 
 
 @pytest.mark.multirank(4, timeout=60)
-def test_afno_on_2x2_spatial_mesh_is_refused_not_wrong(spatial_mesh):
-    # On H and W shards the patch embedding's flatten(2) already refuses (W rows would interleave).
-    _assert_afno_refused(spatial_mesh, [Shard(2), Shard(3)], {0: [16, 16], 1: [8, 8]},
-                         match=r"flatten.*interleave|__setitem__.*plain")
+@pytest.mark.parametrize("w_split", [[8, 8], [4, 12]], ids=["w-even", "w-uneven"])
+def test_afno_on_2x2_spatial_mesh(spatial_mesh, w_split):
+    # The patch embedding's flatten(2) merges the H- and W-sharded token grid: W is gathered over
+    # the "w" mesh dim (one all-gather), and the blocks run H-sharded, W-replicated.
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [12, 20], 1: w_split})
+    report = _check_afno(spec, expected_placements=[Shard(2), Replicate()])
+    gathers = sum(n for op, n in report.comms.forward.counts.items() if "gather" in op)
+    assert gathers == 1, report.comms.forward.counts
+
+
+@pytest.mark.multirank(2, timeout=60)
+def test_afno_without_the_afno_plugin_is_refused_not_wrong(domain_mesh):
+    # Without the sharded buffers, the spectrum is gathered into AFNO2DLayer's plain torch.zeros
+    # buffers and the next einsum meets a Replicate DTensor weight: DTensor refuses, loudly.
+    model = distribute_module(AFNO(**AFNO_CONFIG), domain_mesh)
+    x = shard_tensor(torch.randn(1, 2, 32, 16), domain_mesh, [Shard(2)], [12, 20], requires_grad=True)
+    with physicsnemo_shardext.disabled(["afno"]), pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        model(x)

@@ -138,15 +138,34 @@ def test_cat_refuses_what_it_cannot_do(domain_mesh):
         cat_local(torch.cat, (), ([x, x], 2), {})
     with pytest.raises(MissingShardPatch, match="sharded differently"):
         cat_local(torch.cat, (), ([x, other_split], 1), {})
-    with pytest.raises(MissingShardPatch, match="every input must be a ShardTensor"):
-        cat_local(torch.cat, (), ([x, torch.randn(1, 2, 7)],), {"dim": 1})
+    with pytest.raises(MissingShardPatch, match=r"replicated input of shape \(1, 2, 6\) does not match"):
+        cat_local(torch.cat, (), ([x, torch.randn(1, 2, 6)],), {"dim": 1})
+
+
+class CatsAGrid(torch.nn.Module):
+    """FNO's coordinate features: a plain full-size grid (and a trainable replicated table) next to the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(1, 2, 7, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = torch.linspace(0, 1, 7).reshape(1, 1, 7, 1).expand(1, 1, 7, 3)
+        return torch.cat((x, grid, self.table), dim=1)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[5, 2], [7, 0]], ids=["uneven", "empty-shard"])
+def test_cat_cuts_replicated_inputs_to_the_rows(domain_mesh, split):
+    report = check_conformance(CatsAGrid(), [torch.randn(1, 3, 7, 3)], ShardSpec(domain_mesh, [Shard(2)], split))
+    assert report.comms.forward.total_calls == 0
 
 
 @pytest.mark.multirank(2)
 def test_prelu_refuses_a_sharded_weight(domain_mesh):
     x = shard_tensor(torch.randn(1, 4, 6), domain_mesh, [Shard(2)], [4, 2])
     weight = ShardTensor.from_local(torch.ones(2), domain_mesh, [Shard(0)], sharding_shapes={0: ((2,), (2,))})
-    with pytest.raises(MissingShardPatch, match="weight must be replicated"):
+    with pytest.raises(MissingShardPatch, match="weight: expected a replicated tensor"):
         prelu_local(F.prelu, (), (x, weight), {})
     replicated = ShardTensor.from_local(torch.ones(1), domain_mesh, [Replicate()], sharding_shapes={})
     assert prelu_local(F.prelu, (), (x, replicated), {}).to_local().shape == x.to_local().shape
@@ -177,7 +196,7 @@ def test_flatten_scales_the_rows_and_refuses_interleaving(domain_mesh):
     assert y._spec.sharding_shapes()[0] == (torch.Size([1, 2, 15]), torch.Size([1, 2, 6]))
     torch.testing.assert_close(y.full_tensor(), x.full_tensor().flatten(2))
     with pytest.raises(MissingShardPatch, match="dim 2 is sharded but is not the first"):
-        flatten_local(torch.flatten, (), (x, 1), {})
+        flatten_local(torch.flatten, (), (x, 1), {})  # rows would interleave with the unsharded dim 1
     with pytest.raises(MissingShardPatch, match="not multiples of 7"):
         unflatten_local(torch.unflatten, (), (y, 2, (3, 7)), {})
 
@@ -190,3 +209,31 @@ def test_stack_refuses_differently_sharded_inputs(domain_mesh):
         stack_local(torch.stack, (), ([x, other_split], -1), {})
     with pytest.raises(MissingShardPatch, match="every input must be a ShardTensor"):
         stack_local(torch.stack, (), ([x, torch.randn(1, 2, 7)],), {})
+
+
+GRID_TO_POINTS = {
+    # FNO's decoder and AFNO's patch embedding: an H- and W-sharded grid flattened into points, and back.
+    "reshape": lambda x: (x.permute(0, 2, 3, 1).reshape(-1, 2) * 1.5).reshape(1, 9, 7, 2),
+    "torch_reshape": lambda x: torch.reshape(x.permute(0, 2, 3, 1), (-1, 2)).tanh(),
+    "view": lambda x: x.permute(0, 2, 3, 1).contiguous().view(63, 2) * 1.5,
+    "flatten": lambda x: (x.flatten(2).transpose(1, 2) * 1.5).reshape(1, 9, 7, 2),
+}
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("name", sorted(GRID_TO_POINTS))
+def test_merging_two_sharded_dims_gathers_the_inner_one(spatial_mesh, name):
+    # Points split over two mesh dims would need per-group shard sizes, which DTensor cannot express:
+    # W is gathered over the "w" mesh dim (one all-gather), the points are sharded over "h" only.
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [2, 5]})
+    report = check_conformance(GRID_TO_POINTS[name], [torch.randn(1, 2, 9, 7)], spec,
+                               expected_placements=[Shard(0) if name in ("torch_reshape", "view") else Shard(1),
+                                                    Replicate()])
+    assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) == 1
+
+
+def test_reshape_is_an_override_that_delegates_to_the_builtin():
+    registry = physicsnemo_shardext.get_registry()
+    for target in (torch.Tensor.reshape, torch.reshape, torch.Tensor.view):
+        record = registry.provenance(target)
+        assert record is not None and record.plugin.name == "misc_ops" and record.replaced is not None

@@ -122,11 +122,15 @@ def test_setitem_into_a_shard_tensor_buffer(domain_mesh, split):
 
 
 @pytest.mark.multirank(2)
-def test_setitem_refuses_plain_buffers_and_misaligned_values(domain_mesh):
-    xs = shard_tensor(torch.randn(2, 3, 5, 6), domain_mesh, [Shard(3)], [4, 2])
+def test_setitem_into_a_plain_buffer_gathers_and_misaligned_values_are_refused(domain_mesh):
+    full = torch.randn(2, 3, 5, 6)
+    xs = shard_tensor(full, domain_mesh, [Shard(3)], [4, 2])
     plain = torch.zeros(2, 3, 5, 6)
-    with pytest.raises(MissingShardPatch, match="into a plain .*torch.zeros_like"):
-        plain[:, :, :2, :3] = xs[:, :, :2, :3]
+    plain[:, :, :2, :3] = xs[:, :, :2, :3]  # a plain buffer is replicated: it receives the global values
+    assert type(plain) is torch.Tensor
+    expected = torch.zeros(2, 3, 5, 6)
+    expected[:, :, :2, :3] = full[:, :, :2, :3]
+    torch.testing.assert_close(plain, expected, rtol=0, atol=0)
     out = torch.zeros_like(xs)
     with pytest.raises(MissingShardPatch, match="does not match the target region"):
         out[:, :, :2, 3:] = xs[:, :, :2, :3]
@@ -165,10 +169,23 @@ def test_fno_blocks_match_single_process(domain_mesh, split):
 
 
 @pytest.mark.multirank(2)
-def test_textbook_block_with_a_plain_buffer_raises(domain_mesh):
-    xs = shard_tensor(torch.randn(2, 3, 10, 12), domain_mesh, [Shard(2)], [6, 4])
-    with pytest.raises(MissingShardPatch, match="torch.Tensor.__setitem__"):
-        TextbookSpectralConv2d(3, 3, 4, "plain")(xs)
+def test_textbook_block_with_a_plain_buffer_is_correct_and_replicated(domain_mesh):
+    # out_ft = torch.zeros(...) is plain, i.e. replicated: the mode blocks are gathered into it
+    # (forward: one all-gather per slice assignment, of the mode block only), irfft2 runs on the full
+    # spectrum on every rank, and the skip connection's add cuts the result back to each rank's rows.
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spectral = TextbookSpectralConv2d(3, 3, 4, "plain")
+            self.skip = torch.nn.Conv2d(3, 3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.spectral(x) + self.skip(x)
+
+    x = torch.randn(2, 3, 10, 12)
+    report = check_conformance(Layer(), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 4]), atol=1e-5)
+    assert report.comms.forward.counts.get("c10d.alltoall_base_") == 1  # rfft2 only; irfft2 is local
+    assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) >= 2
 
 
 @pytest.mark.multirank(2)
@@ -247,3 +264,32 @@ def test_spectral_layer_moves_each_local_spectrum_once_per_transpose(domain_mesh
         counts = {str(op): n for op, n in fallback.get_comm_counts().items()}
         assert any("all_gather" in op for op in counts), counts
         assert forward.total_bytes < 4 * B * CI * h_r * W
+
+
+# -- adding replicated tensors ----------------------------------------------------------------
+class AddsEmbedding(torch.nn.Module):
+    """AFNO's ``x + self.pos_embed``: a trainable replicated tensor broadcast against the shards."""
+
+    def __init__(self, shape: tuple[int, ...], reverse: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.randn(shape))
+        self.reverse = reverse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.add(self.embed, x) if self.reverse else x + self.embed
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("shape", [(1, 11, 4), (11, 1), (4,)], ids=["rows", "broadcast-rows", "trailing"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["x+e", "add(e,x)"])
+def test_replicated_operand_is_cut_to_the_split_and_its_gradient_is_whole(domain_mesh, shape, reverse):
+    # 11 rows split 8/3: the DTensor fallback re-cuts the replicated operand as 6/5 and fails.
+    report = check_conformance(AddsEmbedding(shape, reverse), [torch.randn(2, 11, 4)],
+                               ShardSpec(domain_mesh, [Shard(1)], [8, 3]))
+    assert report.comms.forward.total_calls == 0
+
+
+@pytest.mark.multirank(4)
+def test_replicated_operand_on_a_2d_mesh(spatial_mesh):
+    spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [8, 3], 1: [1, 3]})
+    check_conformance(AddsEmbedding((11, 4), False), [torch.randn(2, 11, 4)], spec)
