@@ -51,6 +51,7 @@ parameters DTensor then refuses to mix them with the weights (tested).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -195,3 +196,24 @@ def test_afno_without_the_afno_plugin_is_refused_not_wrong(domain_mesh):
     x = shard_tensor(torch.randn(1, 2, 32, 16), domain_mesh, [Shard(2)], [12, 20], requires_grad=True)
     with physicsnemo_shardext.disabled(["afno"]), pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
         model(x)
+
+
+@pytest.mark.multirank(4, timeout=60)
+def test_fno2d_loss_on_2x2_mesh_against_a_target_sharded_like_the_input(spatial_mesh):
+    # The output comes back H-sharded, W-replicated; a training loss against a target sharded on H
+    # and W (as the data loader delivers it) must still equal the single-process loss, gradients too.
+    torch.manual_seed(0)
+    reference = FNO(**FNO2D)
+    model = distribute_module(copy.deepcopy(reference), spatial_mesh)
+    x, target = torch.randn(1, 2, 17, 13), torch.randn(1, 1, 17, 13)
+    split = {0: [9, 8], 1: [7, 6]}
+    xs = shard_tensor(x, spatial_mesh, [Shard(2), Shard(3)], split)
+    ts = shard_tensor(target, spatial_mesh, [Shard(2), Shard(3)], split)
+    loss = torch.mean((model(xs) - ts) ** 2)
+    expected = torch.mean((reference(x) - target) ** 2)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss.full_tensor(), expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, **TOLERANCE, msg=name)
