@@ -63,9 +63,9 @@ def test_not_declared_where_the_probe_finds_no_defect(monkeypatch):
 
 
 # DTensor's own redistribution (inside the fallback *forward*) assumes torch.chunk sizes, so
-# unequal shards are used here in chunk layout (7 -> 4+3, 3 -> 2+1); arbitrary uneven sizes are
-# covered for the backward itself by test_grad_layout_rules (the forward limitation is PhysicsNeMo's,
-# see docs/patches/fallback-fix.md).
+# unequal shards are used here in chunk layout (7 -> 4+3, 3 -> 2+1), isolating the backward fix;
+# other uneven sizes are covered for the backward by test_grad_layout_rules and, for the forward,
+# by tests/patches/test_uneven_redistribute.py.
 @pytest.mark.multirank(2)
 @pytest.mark.parametrize(
     "name, length, split",

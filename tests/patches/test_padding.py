@@ -76,12 +76,16 @@ def test_circular_output_grows_on_boundary_shards_and_moves_only_wrap_rows(domai
 @pytest.mark.multirank(2)
 def test_dtensor_fallback_is_no_alternative(domain_mesh):
     # What the patch replaces, without it and without the built-in (pure DTensor fallback):
-    # circular pad comes back Replicate and wrong (each rank wraps its own shard, no
-    # communication); reflect/replicate have no sharding strategy at all.
+    # circular pad comes back Replicate and wrong (each rank wraps its own shard) unless the
+    # uneven_redistribute plugin refuses DTensor's redistribution of the 10/7 split; reflect and
+    # replicate have no sharding strategy at all.
     x = torch.randn(1, 4, 17, 6)
     xs = shard_tensor(x, domain_mesh, [Shard(2)], [10, 7])
     with physicsnemo_shardext.disabled(targets=[F.pad]):
-        y = F.pad(xs, (0, 0, 3, 3), mode="circular")
+        with pytest.raises(MissingShardPatch, match="DTensor would compute wrong values"):
+            F.pad(xs, (0, 0, 3, 3), mode="circular")
+        with physicsnemo_shardext.disabled(plugins=["uneven_redistribute"]):
+            y = F.pad(xs, (0, 0, 3, 3), mode="circular")
         assert not torch.allclose(y.full_tensor(), F.pad(x, (0, 0, 3, 3), mode="circular"))
         for mode in ("reflect", "replicate"):
             with pytest.raises(NotImplementedError, match="sharding strategy"):

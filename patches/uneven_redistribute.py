@@ -1,0 +1,138 @@
+"""DTensor redistribution of uneven shards inside PhysicsNeMo's fallback: gathered right, or refused.
+
+An op without a shard patch runs through PhysicsNeMo's DTensor fallback, which
+hands DTensor the ShardTensor's local block together with its spec. When the
+op's sharding strategy needs a sharded dim whole (``sort``, ``topk``,
+``median``, ``var``, ``std``, ``logsumexp`` along it), DTensor redistributes the
+block assuming ``torch.chunk`` sizes. For any other split (7 rows as 5 + 2
+instead of 4 + 3) PhysicsNeMo 2.2.2 then returns **wrong values without an
+error** (measured for all six ops above).
+
+This plugin wraps ``redistribute_local_tensor`` (the function through which
+every DTensor redistribution passes, bound in three torch modules) with a check
+made from the spec alone, without communication: for every mesh dim whose
+placement changes from ``Shard(d)``, does the local block have the size
+``torch.chunk`` would give it on ``d``?
+
+* Yes (every chunk-layout split, every DTensor of DTensor's own making): the
+  original function runs, unchanged.
+* No, the move is ``Shard(d) -> Replicate`` and the spec is a ShardTensor spec
+  recording every rank's rows: those rows are all-gathered with their true
+  sizes (one all-gather over that mesh dim), then DTensor continues from
+  ``Replicate``. Forward values are then right; gradients come back through the
+  fallback's backward (see ``fallback_fix``), in the input's own layout.
+* No, and anything else (``Shard -> Shard``, sizes unknown, one dim sharded
+  over several mesh dims): ``MissingShardPatch`` naming the op's layout, instead
+  of wrong numbers.
+
+Example (2 ranks, ``x`` of shape ``(2, 3, 7, 4)`` split 5 + 2 on dim 2)::
+
+    torch.sort(x, dim=2).values     # was silently wrong; now equal to the single-process sort
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from physicsnemo.domain_parallel._shard_tensor_spec import ShardTensorSpec
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import _api as dtensor_api
+from torch.distributed.tensor import _dispatch as dtensor_dispatch
+from torch.distributed.tensor import _redistribute as dtensor_redistribute
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+
+__all__ = ["OWNERS", "chunk_mismatches", "guarded_redistribute"]
+
+#: Modules that bind their own name for ``redistribute_local_tensor``.
+OWNERS = (dtensor_redistribute, dtensor_dispatch, dtensor_api)
+
+
+def chunk_mismatches(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> list[tuple[int, int, int]]:
+    """``(mesh_dim, tensor_dim, expected_rows)`` for each moved ``Shard`` whose local rows are not chunk-sized.
+
+    >>> # on rank 0 of 2, a (7,) tensor held as 5 + 2, redistributed to Replicate -> [(0, 0, 4)]
+    """
+    moved = [
+        (mesh_dim, placement.dim)
+        for mesh_dim, (placement, wanted) in enumerate(zip(current.placements, target.placements))
+        if isinstance(placement, Shard) and placement != wanted
+    ]
+    if not moved:
+        return []
+    expected, _ = compute_local_shape_and_global_offset(current.shape, current.mesh, current.placements)
+    return [(m, d, expected[d]) for m, d in moved if local.shape[d] != expected[d]]
+
+
+def _gather_rows(local: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather ``local`` along ``dim`` when rank ``c`` of ``group`` holds ``sizes[c]`` rows."""
+    width = max(sizes)
+    pad = [0] * (2 * local.ndim)
+    pad[2 * (local.ndim - 1 - dim) + 1] = width - local.shape[dim]
+    padded = torch.nn.functional.pad(local.contiguous(), pad) if width != local.shape[dim] else local.contiguous()
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat([piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)], dim=dim)
+
+
+def _describe(current: DTensorSpec, local: torch.Tensor) -> str:
+    return f"placements {tuple(current.placements)}, global shape {tuple(current.shape)}, local shape {tuple(local.shape)}"
+
+
+def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Wrap DTensor's ``redistribute_local_tensor``: gather uneven ``Shard -> Replicate`` moves right, refuse others.
+
+    Example::
+
+        dtensor_dispatch.redistribute_local_tensor = guarded_redistribute(dtensor_dispatch.redistribute_local_tensor)
+    """
+
+    def redistribute_local_tensor(local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec,
+                                  *args: Any, **kwargs: Any) -> torch.Tensor:
+        mismatches = chunk_mismatches(local_tensor, current_spec, target_spec)
+        if not mismatches:
+            return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+        placements = list(current_spec.placements)
+        for mesh_dim, dim, expected in mismatches:
+            shapes = current_spec.sharding_shapes() if isinstance(current_spec, ShardTensorSpec) else None
+            nested = sum(isinstance(p, Shard) and p.dim == dim for p in placements) > 1
+            if not (isinstance(target_spec.placements[mesh_dim], Replicate) and shapes and not nested):
+                raise MissingShardPatch(
+                    f"DTensor fallback: moving a shard from {current_spec.placements[mesh_dim]} to "
+                    f"{target_spec.placements[mesh_dim]} on mesh dim {mesh_dim} with {local_tensor.shape[dim]} local "
+                    f"rows where DTensor expects torch.chunk's {expected} ({_describe(current_spec, local_tensor)}); "
+                    "DTensor would compute wrong values. This op needs a shard patch for uneven splits"
+                )
+            sizes = [shape[dim] for shape in shapes[mesh_dim]]
+            local_tensor = _gather_rows(local_tensor, dim, sizes, current_spec.mesh.get_group(mesh_dim))
+            placements[mesh_dim] = Replicate()
+        gathered = DTensorSpec(current_spec.mesh, tuple(placements), tensor_meta=current_spec.tensor_meta)
+        return original(local_tensor, gathered, target_spec, *args, **kwargs)
+
+    redistribute_local_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+    redistribute_local_tensor.__doc__ = original.__doc__
+    return redistribute_local_tensor
+
+
+@hookimpl
+def shardext_requirements() -> dict[str, str]:
+    """This plugin wraps DTensor internals of the torch that PhysicsNeMo 2.2 runs on."""
+    return {"nvidia-physicsnemo": ">=2.2,<2.3", "torch": ">=2.6"}
+
+
+@hookimpl
+def shardext_declare_patches(patches: Any) -> None:
+    """Wrap ``redistribute_local_tensor`` in every torch module that binds it."""
+    for owner in OWNERS:
+        patches.replace_attribute(
+            owner,
+            "redistribute_local_tensor",
+            guarded_redistribute(owner.redistribute_local_tensor),
+            reason="DTensor redistributes uneven (non-torch.chunk) shards from the fallback into wrong values: "
+            "gather Shard->Replicate moves with the true sizes, refuse other moves",
+        )
