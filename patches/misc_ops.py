@@ -292,7 +292,10 @@ def reshape_merging_sharded_dims(func: Any, types: tuple, args: tuple, kwargs: d
             new_shape = torch.empty(x.shape, device="meta").reshape(tuple(shape)).shape
         except (RuntimeError, TypeError):
             new_shape = None  # let the built-in report the bad shape
-        merged = _merged_sharded_dims(x, new_shape) if new_shape is not None else []
+        try:
+            merged = _merged_sharded_dims(x, new_shape) if new_shape is not None else []
+        except MissingShardPatch:  # one dim sharded over several mesh dims: the built-in's business
+            merged = []
         if merged:
             args = (gather_dims(x, merged), *rest)
     return builtin(func, types, args, kwargs)
