@@ -65,10 +65,10 @@ import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
-from torch.distributed.tensor import DTensor
 
 from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
 from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives.replicated import replicated_local
 
 __all__ = ["CONV_TARGETS", "TRANSPOSED_TARGETS", "RowPlan", "conv_row_plan", "conv_transpose_row_plan", "sharded_conv"]
 
@@ -189,13 +189,7 @@ def _name(func: Callable) -> str:
 
 def _plain(t: Any, func: Callable, what: str) -> Any:
     """Weights/bias as plain tensors (replicated DTensors are unwrapped, differentiably)."""
-    if isinstance(t, DTensor):
-        if any(p.is_shard() or p.is_partial() for p in t.placements):
-            raise MissingShardPatch(
-                f"{_name(func)}: {what} with placements {t.placements} is not supported (use Replicate)"
-            )
-        return t.full_tensor()
-    return t
+    return replicated_local(t, f"{_name(func)}: {what}")
 
 
 def _pads(padding: Any, weight: torch.Tensor, dilation: tuple, n: int, func: Callable) -> list[tuple[int, int]]:

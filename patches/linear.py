@@ -36,24 +36,12 @@ from typing import Any
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
-from torch.distributed.tensor import DTensor
 
 from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
 from physicsnemo_shardext.primitives import from_local_like, sharded_dims
+from physicsnemo_shardext.primitives.replicated import replicated_local
 
 __all__ = ["sharded_linear"]
-
-
-def _replicated_parameter(t: Any, what: str) -> Any:
-    """A plain view of a replicated parameter (differentiably unwrapped); refuse sharded ones."""
-    if isinstance(t, (DTensor, ShardTensor)):
-        if not all(p.is_replicate() for p in t.placements):
-            raise MissingShardPatch(
-                f"torch.nn.functional.linear: {what} with placements {tuple(t.placements)} is not supported "
-                "(parameters must be Replicate)"
-            )
-        return t.full_tensor() if isinstance(t, DTensor) else t.to_local()
-    return t
 
 
 def _delegate(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -82,9 +70,9 @@ def sharded_linear(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         )
     if (x.ndim - 1) in sharded_dims(x):  # raises MissingShardPatch for nested sharding of one dim
         return _delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
-    weight = GradReducer.apply(_replicated_parameter(weight, "weight"), x._spec)
+    weight = GradReducer.apply(replicated_local(weight, "torch.nn.functional.linear: weight"), x._spec)
     if bias is not None:
-        bias = GradReducer.apply(_replicated_parameter(bias, "bias"), x._spec)
+        bias = GradReducer.apply(replicated_local(bias, "torch.nn.functional.linear: bias"), x._spec)
     return from_local_like(F.linear(x.to_local(), weight, bias), x)
 
 

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
 from physicsnemo_shardext.primitives.layout import build_shard_tensor, from_local_like, sharded_dims

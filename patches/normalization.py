@@ -42,6 +42,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives.replicated import replicated_local, sum_grad_over
 
 __all__ = ["NORMALIZATION_TARGETS"]
 
@@ -101,37 +102,11 @@ def _all_reduce(t: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
     return t
 
 
-class _ReduceGradOverShards(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the given groups.
-
-    A Replicate parameter used by every shard gets, on each rank, only that shard's
-    contribution to its gradient: summing over the input's sharding mesh dims completes it.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
-        ctx.groups = groups
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
-        for group in ctx.groups:
-            torch.distributed.all_reduce(grad, group=group)
-        return grad, None
-
-
 def _param(t: Any, layout: _Layout, op: str, name: str) -> torch.Tensor | None:
     """Local full copy of a Replicate parameter whose gradient is completed over the shards."""
     if t is None:
         return None
-    if isinstance(t, (DTensor, ShardTensor)):
-        if any(not p.is_replicate() for p in t.placements):
-            raise MissingShardPatch(f"{op}: {name} must be Replicate, got {tuple(t.placements)}")
-        t = t.to_local()
-    if t.requires_grad and torch.is_grad_enabled():
-        return _ReduceGradOverShards.apply(t, layout.all_shard_groups())
-    return t
+    return sum_grad_over(replicated_local(t, f"{op}: {name}"), layout.mesh, list(layout.shard_of))
 
 
 def _buffer(t: Any, op: str, name: str) -> torch.Tensor | None:

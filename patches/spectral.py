@@ -268,11 +268,10 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
                 "slice the value from a tensor sharded like the target"
             )
         return value.to_local()
-    if isinstance(value, DTensor):
-        if not all(isinstance(p, Replicate) for p in value.placements):
-            raise MissingShardPatch(f"torch.Tensor.__setitem__: value placements {value.placements}")
-        value = value.to_local()
-    # A replicated value of the region's global shape: keep this rank's rows.
+    # A replicated value of the region's global shape: keep this rank's rows. Each rank writes
+    # (and so differentiates) only its rows, so the gradient is summed over the region's mesh dims.
+    value = sum_grad_over(replicated_local(value, "torch.Tensor.__setitem__: value"), target._spec.mesh,
+                          sorted(set(plan.out_mesh_dims.values())))
     index: list[Any] = [slice(None)] * value.ndim
     offset = value.ndim - region.ndim
     for out_dim, sizes in plan.out_sizes.items():
@@ -430,15 +429,8 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
                 )
             locals_.append(local)
             continue
-        if isinstance(op, DTensor):
-            if not all(isinstance(p, Replicate) for p in op.placements):
-                raise MissingShardPatch(f"torch.einsum {equation!r}: a DTensor operand with placements {op.placements}")
-            local = op.to_local()
-        else:
-            local = op
-        if local.requires_grad:
-            # Each rank only sees its rows: the full gradient is the sum over ranks.
-            local = sum_grad_over(local, mesh, shard_mesh_dims)
+        # Each rank only sees its rows: the full gradient is the sum over ranks.
+        local = sum_grad_over(replicated_local(op, f"torch.einsum {equation!r}: operand"), mesh, shard_mesh_dims)
         for d, letter in enumerate(subs):
             if letter in sharded and local.shape[d] != 1:
                 mesh_dim, sizes, layout = sharded[letter]

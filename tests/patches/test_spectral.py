@@ -293,3 +293,23 @@ def test_replicated_operand_is_cut_to_the_split_and_its_gradient_is_whole(domain
 def test_replicated_operand_on_a_2d_mesh(spatial_mesh):
     spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [8, 3], 1: [1, 3]})
     check_conformance(AddsEmbedding((11, 4), False), [torch.randn(2, 11, 4)], spec)
+
+
+class WritesATable(torch.nn.Module):
+    """``out[...] = table``: a trainable replicated value written into a sharded buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(11, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        out[:, :, :2] = self.table
+        return out * x
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[8, 3], [11, 0]], ids=["uneven", "empty-shard"])
+def test_setitem_of_a_trainable_replicated_value_sums_its_gradient(domain_mesh, split):
+    # Each rank writes only its rows of the table, so the table's gradient is summed over the shards.
+    check_conformance(WritesATable(), [torch.randn(2, 11, 4)], ShardSpec(domain_mesh, [Shard(1)], split))
