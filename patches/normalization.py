@@ -174,16 +174,27 @@ def _update_running(
         running.mul_(1.0 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
 
 
-def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
-    """Batch norm with global statistics over batch and sharded spatial dims (O(C) communication)."""
-    a = _bind(func, F.batch_norm, args, kwargs)
+def _channel_norm_call(
+    func: Callable, reference: Callable, args: tuple, kwargs: dict, op: str, min_rank: int
+) -> tuple[dict, ShardTensor, _Layout, torch.Tensor | None, torch.Tensor | None]:
+    """What batch, instance and group norm check first: bound arguments, rank, unsharded channels, parameters.
+
+    Returns ``(arguments, input, layout, weight, bias)``; weight and bias are local copies whose
+    gradients are completed over the shards.
+    """
+    a = _bind(func, reference, args, kwargs)
     x = a["input"]
-    op = "batch_norm"
     layout = _Layout(x, op)
-    if x.dim() < 2:
+    if x.dim() < min_rank:
         raise MissingShardPatch(f"{op}: inputs of rank {x.dim()} are not supported")
     _refuse_sharded(layout, [1], op, "channel dim")
-    weight, bias = _param(a["weight"], layout, op, "weight"), _param(a["bias"], layout, op, "bias")
+    return a, x, layout, _param(a["weight"], layout, op, "weight"), _param(a["bias"], layout, op, "bias")
+
+
+def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
+    """Batch norm with global statistics over batch and sharded spatial dims (O(C) communication)."""
+    op = "batch_norm"
+    a, x, layout, weight, bias = _channel_norm_call(func, F.batch_norm, args, kwargs, op, min_rank=2)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = x.to_local(), a["eps"], x.dim()
     if a["training"]:
@@ -205,14 +216,8 @@ def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
 # -- instance norm --------------------------------------------------------------------------
 def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
     """Instance norm: per-sample per-channel statistics over sharded spatial dims (O(N*C))."""
-    a = _bind(func, F.instance_norm, args, kwargs)
-    x = a["input"]
     op = "instance_norm"
-    layout = _Layout(x, op)
-    if x.dim() < 3:
-        raise MissingShardPatch(f"{op}: inputs of rank {x.dim()} are not supported")
-    _refuse_sharded(layout, [1], op, "channel dim")
-    weight, bias = _param(a["weight"], layout, op, "weight"), _param(a["bias"], layout, op, "bias")
+    a, x, layout, weight, bias = _channel_norm_call(func, F.instance_norm, args, kwargs, op, min_rank=3)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = x.to_local(), a["eps"], x.dim()
     spatial = list(range(2, ndim))
@@ -239,17 +244,11 @@ def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict)
 # -- group norm -----------------------------------------------------------------------------
 def group_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
     """Group norm: per-sample per-group statistics over channels of the group and sharded spatial dims."""
-    a = _bind(func, F.group_norm, args, kwargs)
-    x, groups_n = a["input"], a["num_groups"]
     op = "group_norm"
-    layout = _Layout(x, op)
-    if x.dim() < 2:
-        raise MissingShardPatch(f"{op}: inputs of rank {x.dim()} are not supported")
-    _refuse_sharded(layout, [1], op, "channel dim")
-    n_channels = x.shape[1]
+    a, x, layout, weight, bias = _channel_norm_call(func, F.group_norm, args, kwargs, op, min_rank=2)
+    groups_n, n_channels = a["num_groups"], x.shape[1]
     if n_channels % groups_n:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}")
-    weight, bias = _param(a["weight"], layout, op, "weight"), _param(a["bias"], layout, op, "bias")
     local, ndim = x.to_local(), x.dim()
     grouped = local.reshape((local.shape[0], groups_n, n_channels // groups_n) + tuple(local.shape[2:]))
     spatial = list(range(2, ndim))
