@@ -46,9 +46,17 @@ mesh dim (``"ddp"`` with the batch replicated) is correctly left alone.
 first, then this patch with padding 0: the periodic/mirrored halo comes from
 the padding plugin (patches/padding.py).
 
-Refused (``MissingShardPatch``): ``Partial`` inputs; inputs sharded along the
-channel dim; a ShardTensor weight sharded along a dim (weights must be plain
-tensors or replicated).
+Under ``torch.autocast`` the local convolution runs through autocast like a
+single-process one (bf16 on CPU); the shape checks on meta tensors use the
+autocast dtype, and a separately added bias is cast to the output's dtype.
+
+Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
+``Partial`` inputs without a bias (a convolution is linear: the built-in
+convolves each rank's term; checked on 2 ranks).
+
+Refused (``MissingShardPatch``): ``Partial`` inputs with a bias (the built-in
+adds the bias once per rank: wrong); inputs sharded along the channel dim; a
+ShardTensor weight sharded along a dim (weights must be plain tensors or replicated).
 
 Example (2 ranks, H = 17 split 10/7)::
 
@@ -67,7 +75,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
 
 from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 from physicsnemo_shardext.primitives.replicated import replicated_local
 
 __all__ = ["CONV_TARGETS", "TRANSPOSED_TARGETS", "RowPlan", "conv_row_plan", "conv_transpose_row_plan", "sharded_conv"]
@@ -187,6 +195,14 @@ def _name(func: Callable) -> str:
     return f"torch.nn.functional.{func.__name__}"
 
 
+def _autocast_dtype(x: ShardTensor) -> torch.dtype | None:
+    """The dtype autocast gives a convolution of ``x``'s local block, or ``None`` outside autocast."""
+    device_type = x.to_local().device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def _plain(t: Any, func: Callable, what: str) -> Any:
     """Weights/bias as plain tensors (replicated DTensors are unwrapped, differentiably)."""
     return replicated_local(t, f"{_name(func)}: {what}")
@@ -243,15 +259,22 @@ def sharded_conv(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
         raise MissingShardPatch(f"{_name(func)}: the input must be the ShardTensor (got {type(x).__name__})")
     placements = tuple(x._spec.placements)
     if any(p.is_partial() for p in placements):
-        raise MissingShardPatch(f"{_name(func)}: input has a Partial placement {placements}; redistribute first")
+        if bias is None:  # a convolution is linear: the built-in convolves each rank's term, right
+            return delegate(func, types, args, kwargs)
+        raise MissingShardPatch(
+            f"{_name(func)}: input has a Partial placement {placements} and a bias; the built-in would add "
+            "the bias once per rank (redistribute first)"
+        )
     n = weight.ndim - 2
     stride, dilation, output_padding = _tuple(stride, n), _tuple(dilation, n), _tuple(output_padding, n)
     pads = _pads(padding, weight, dilation, n, func)
     if transposed and isinstance(padding, str):
         raise ValueError(f"{_name(func)}: string padding is not supported for transposed convolutions")
 
-    # torch's own argument checks and the global output shape, on meta tensors.
-    meta = lambda t: None if t is None else torch.empty(t.shape, device="meta", dtype=t.dtype)  # noqa: E731
+    # torch's own argument checks and the global output shape, on meta tensors. Autocast does not
+    # run on the meta device: there the arguments take the dtype autocast gives the local conv.
+    dtype = _autocast_dtype(x)
+    meta = lambda t: None if t is None else torch.empty(t.shape, device="meta", dtype=dtype or t.dtype)  # noqa: E731
     if transposed:
         left_pads = [p for p, _ in pads]
         global_out = func(meta(x), meta(weight), meta(bias), stride, left_pads, output_padding, groups, dilation)
@@ -295,9 +318,9 @@ def sharded_conv(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     for d, sizes in new_sizes.items():
         shape[d] = sizes[layouts[d].coord]
     if empty or local.shape[0] == 0:
-        out = local.new_zeros(shape)
+        out = local.new_zeros(shape, dtype=dtype or local.dtype)
         if bias is not None:
-            out = out + bias.view([1, -1] + [1] * n)
+            out = out + bias.view([1, -1] + [1] * n).to(out.dtype)
         out = _tie(out, local, weight, bias)
     elif transposed:
         out = _local_conv_transpose(func, local, weight, bias, stride, pads, output_padding, groups, dilation, adjust)
@@ -342,8 +365,8 @@ def _local_conv_transpose(
     for d in range(out.ndim - 1, 1, -1):
         flat.extend(adjust.get(d, (0, 0)))
     out = F.pad(out, flat)  # negative entries crop
-    if bias is not None:
-        out = out + bias.view([1, -1] + [1] * n)
+    if bias is not None:  # in the conv's dtype, as autocast casts the bias of a fused conv
+        out = out + bias.view([1, -1] + [1] * n).to(out.dtype)
     return out
 
 

@@ -20,6 +20,9 @@ that returns the gradient in the *input's own* layout, placement by placement:
 * grad ``Partial`` where the input was ``Replicate``: stay ``Partial``, as
   PhysicsNeMo intends (the pending sum is resolved at the plain-tensor
   boundary, e.g. a replicated parameter);
+* input ``Partial`` (a pending sum over the ranks): the gradient of each
+  rank's summand is the whole gradient, so it stays ``Replicate`` (or ``Partial``
+  if it came that way) instead of being redistributed to ``Partial``;
 * any other mismatch (``Partial`` or a differently sharded grad where the input
   was ``Shard``, a sharded grad where it was ``Replicate``): redistribute to
   ``Replicate`` on that mesh dim, then take the local slice.
@@ -46,6 +49,12 @@ entry point only where PhysicsNeMo neither passes it through nor handles it,
 and only where torch has the private engine helpers it needs
 (:func:`backward_entry_status`).
 
+Third correction: ``Partial(avg)`` results. The fallback's own function
+(``_torch_function_fallback_via_dtensor``) is wrapped so that a result holding a
+``Partial(avg)`` placement (a DTensor mean over a sharded dim: wrong value on
+unequal shards, gradient scaled by the mesh size on torch 2.14) raises
+``MissingShardPatch`` unless it is harmless (:func:`refuse_partial_avg`).
+
 Example (what ``shardext list --plugin fallback_fix`` shows on an affected install)::
 
     physicsnemo.domain_parallel.shard_tensor._ShardTensorToDTensor.backward  attribute  ...
@@ -67,17 +76,21 @@ from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import is_tensor_like
+from torch.utils._pytree import tree_leaves
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.builtins import builtin_handler
 from physicsnemo_shardext.shard_registries import AttributeTarget, original_attribute
+from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
     "backward_entry_status",
     "backward_in_shard_space",
     "fallback_backward_is_defective",
+    "fallback_without_partial_avg",
     "fixed_backward",
     "grad_in_input_layout",
+    "refuse_partial_avg",
 ]
 
 _OWNER = _shard_tensor_module._ShardTensorToDTensor
@@ -120,9 +133,16 @@ def fallback_backward_is_defective() -> bool:
 
 # -- the fixed backward ---------------------------------------------------------------------
 def _target_placements(input_placements: Sequence[Placement], grad_placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    """Input placements, except a Partial gradient over a mesh dim where the input was Replicate stays Partial."""
+    """Input placements, except a Partial gradient over a mesh dim where the input was Replicate stays Partial.
+
+    Where the input itself was ``Partial`` (a pending sum, e.g. Transolver's slice tokens, a
+    sum over the sharded points), each rank's summand gets the whole gradient: ``Replicate``
+    (or the gradient's own ``Partial``), never a redistribution *to* ``Partial``.
+    """
     return tuple(
-        g if isinstance(g, Partial) and isinstance(p, Replicate) else p
+        g if isinstance(g, Partial) and isinstance(p, (Replicate, Partial))
+        else Replicate() if isinstance(p, Partial)
+        else p
         for p, g in zip(input_placements, grad_placements)
     )
 
@@ -322,6 +342,80 @@ def backward_in_shard_space(func: Callable, types: Any, args: tuple, kwargs: dic
     )
 
 
+# -- Partial(avg) results of the fallback ----------------------------------------------------
+_FALLBACK = AttributeTarget(_shard_tensor_module, "_torch_function_fallback_via_dtensor")
+
+
+def _shard_tensors(tree: Any) -> list[ShardTensor]:
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, ShardTensor)]
+
+
+def _has_partial_avg(tensor: ShardTensor) -> bool:
+    return any(isinstance(p, Partial) and p.reduce_op == "avg" for p in tensor._spec.placements)
+
+
+def _shards_are_equal(inputs: Sequence[ShardTensor]) -> bool:
+    """Whether every sharded input holds the same number of rows on every rank (so local means average right)."""
+    for tensor in inputs:
+        shapes = tensor._spec.sharding_shapes()
+        for mesh_dim, placement in enumerate(tensor._spec.placements):
+            if isinstance(placement, Shard) and len({tuple(s) for s in shapes[mesh_dim]}) > 1:
+                return False
+    return True
+
+
+def _needs_grad(inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(inputs)
+    )
+
+
+def refuse_partial_avg(func: Callable, args: tuple, kwargs: dict | None, result: Any) -> Any:
+    """``result`` of the DTensor fallback, or ``MissingShardPatch`` if it holds a ``Partial(avg)`` it cannot trust.
+
+    DTensor gives ``Partial(avg)`` to a mean over a sharded dim (``F.mse_loss``'s default
+    reduction, ``torch.nanmean``...). Its value is the average of the ranks' local means,
+    wrong whenever ranks hold different row counts, and on torch 2.14 its backward scales
+    every gradient by the mesh size. Such a result is let through only where neither
+    matters: equal shards and no gradient to compute.
+    """
+    outputs = [t for t in _shard_tensors(result) if _has_partial_avg(t)]
+    if not outputs:
+        return result
+    inputs = _shard_tensors((args, kwargs))
+    needs_grad, equal = _needs_grad((args, kwargs)), _shards_are_equal(inputs)
+    if equal and not needs_grad:
+        return result
+    why = "its gradient would be scaled by the mesh size" if needs_grad else "its value would be wrong"
+    layouts = ", ".join(f"{tuple(t._spec.placements)} rows {_row_summary(t)}" for t in inputs)
+    raise MissingShardPatch(
+        f"{describe_target(func)}: the DTensor fallback returns a Partial(avg) result here ({why}; "
+        f"inputs {layouts}). Compute it with reduction='none' (or sum) and then .mean(), which "
+        "ShardTensor averages correctly"
+    )
+
+
+def _row_summary(tensor: ShardTensor) -> str:
+    shapes = tensor._spec.sharding_shapes()
+    rows = {}
+    for mesh_dim, placement in enumerate(tensor._spec.placements):
+        if isinstance(placement, Shard):
+            rows[placement.dim % tensor.ndim] = [s[placement.dim % tensor.ndim] for s in shapes[mesh_dim]]
+    return str(rows)
+
+
+def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | None = None) -> Any:
+    """Replacement for PhysicsNeMo's ``_torch_function_fallback_via_dtensor``: the same call, then
+    :func:`refuse_partial_avg` on its result.
+
+    Example (2 ranks, rows 9/8)::
+
+        torch.nanmean(x_sharded)      # MissingShardPatch: Partial(avg) ... value would be wrong
+    """
+    original = original_attribute(_FALLBACK)
+    return refuse_partial_avg(func, args, kwargs, original(func, args, kwargs))
+
+
 @hookimpl
 def shardext_declare_patches(patches: Any) -> None:
     """Replace the fallback backward where the probe finds the defect; handle the backward entry points."""
@@ -332,6 +426,13 @@ def shardext_declare_patches(patches: Any) -> None:
         reason="PhysicsNeMo 2.2 fallback backward keeps a stale shard_order (torch>=2.10): "
         "return the gradient in the input's own layout",
         applies=fallback_backward_is_defective,
+    )
+    patches.replace_attribute(
+        _shard_tensor_module,
+        "_torch_function_fallback_via_dtensor",
+        fallback_without_partial_avg,
+        reason="DTensor's Partial(avg) results (a mean over a sharded dim) average local means, wrong on "
+        "uneven shards, and their backward scales gradients by the mesh size: refuse them unless harmless",
     )
     for entry in BACKWARD_ENTRY_POINTS:
         why_not = backward_entry_status(entry)

@@ -48,7 +48,9 @@ Output placement (one all-to-all per sharded transform dim, none back):
   otherwise a balanced split (sizes differ by at most one, larger first).
   The record is kept per process and is the same on every rank.
 
-Refused (``MissingShardPatch``): ``Partial`` inputs, ``out=``, and a sharded
+Refused (``MissingShardPatch``): ``Partial`` inputs
+(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
+``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), ``out=``, and a sharded
 transform dim with no other dim to move the shard to (e.g. a 1-D tensor).
 
 Example (2 ranks, x of shape (1, 3, 16, 16) sharded [Shard(2)])::

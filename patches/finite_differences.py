@@ -23,7 +23,9 @@ emptying thin shards), and each rank needs a halo of ``n`` rows *after* its
 shard. Example: sizes 5/2, ``n=1`` -> output sizes 5/1; sizes 5/1, ``n=2``
 -> 4/0.
 
-Refused (``MissingShardPatch``): ``Partial`` placements; coordinate tensors
+Refused (``MissingShardPatch``): ``Partial`` placements
+(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
+``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)); coordinate tensors
 that are ShardTensors or require grad; ``prepend``/``append`` that are
 ShardTensors (pass plain tensors: they are replicated on every rank) or plain
 tensors that require grad while ShardTensor's promotion of plain tensors is

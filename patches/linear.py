@@ -12,11 +12,15 @@ parameters and ``check_conformance`` expect. This override reduces them in the
 backward pass: one all-reduce of the weight (and one of the bias) gradient per
 mesh dimension that shards the input.
 
-Delegated to the built-in: calls whose input is not a ShardTensor, and inputs
-sharded on the feature dimension (a contraction over a sharded dim, which the
-built-in routes to DTensor). Refused (``MissingShardPatch``): inputs with a
-``Partial`` placement, sharded (non-``Replicate``) weights or biases, and one
-tensor dim sharded over several mesh dims (what PhysicsNeMo's own ``view`` gives
+Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
+calls whose input is not a ShardTensor, inputs sharded on the feature dimension
+(a contraction over a sharded dim, which the built-in routes to DTensor), and
+Inputs with a ``Partial`` placement (GALE's attention projection) are summed
+first (one all-reduce, as the built-in's DTensor path does), then handled like
+any other, so the weight gradient is reduced and ``Replicate`` where the built-in
+leaves it ``Partial``.
+Refused (``MissingShardPatch``): sharded (non-``Replicate``) weights or biases,
+and one tensor dim sharded over several mesh dims (what PhysicsNeMo's own ``view`` gives
 when flattening an H- and W-sharded grid into points, and cannot reshape back;
 with the ``misc_ops`` plugin that reshape gathers W first, so FNO's decoder
 gets points sharded over one mesh dim).
@@ -36,19 +40,13 @@ from typing import Any
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
+from torch.distributed.tensor import Replicate
 
-from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
-from physicsnemo_shardext.primitives import from_local_like, sharded_dims
+from physicsnemo_shardext import hookimpl
+from physicsnemo_shardext.primitives import delegate, from_local_like, sharded_dims
 from physicsnemo_shardext.primitives.replicated import replicated_local
 
 __all__ = ["sharded_linear"]
-
-
-def _delegate(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
-    builtin = builtin_handler(F.linear)
-    if builtin is None:
-        raise MissingShardPatch("torch.nn.functional.linear: no built-in handler to delegate this call to")
-    return builtin(func, types, args, kwargs)
 
 
 def sharded_linear(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -63,13 +61,13 @@ def sharded_linear(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
     bound.update(kwargs)
     x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
     if not isinstance(x, ShardTensor):
-        return _delegate(func, types, args, kwargs)
+        return delegate(func, types, args, kwargs)
     if any(p.is_partial() for p in x._spec.placements):
-        raise MissingShardPatch(
-            f"torch.nn.functional.linear: input with a Partial placement {tuple(x._spec.placements)}"
-        )
+        # The sum first (one all-reduce, as the built-in does inside DTensor), so that the
+        # weight gradient comes back reduced and Replicate like every other call's.
+        x = x.redistribute(x._spec.mesh, [Replicate() if p.is_partial() else p for p in x._spec.placements])
     if (x.ndim - 1) in sharded_dims(x):  # raises MissingShardPatch for nested sharding of one dim
-        return _delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
+        return delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
     weight = GradReducer.apply(replicated_local(weight, "torch.nn.functional.linear: weight"), x._spec)
     if bias is not None:
         bias = GradReducer.apply(replicated_local(bias, "torch.nn.functional.linear: bias"), x._spec)

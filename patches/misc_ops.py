@@ -22,8 +22,8 @@ reshape or flatten that merges two sharded dims (one all-gather):
   coordinate grid) is cut to each rank's rows, its gradient summed over the shards;
 * ``stack`` of identically sharded tensors along a new dim; sharded dims at or
   after it move up by one;
-* ``flatten`` when the group starts with a sharded dim (rows stay contiguous;
-  row counts scale by the other dims' product), ``unflatten`` of a sharded dim
+* ``flatten`` when the group starts with a sharded dim, or only size-1 dims precede
+  it (rows stay contiguous; row counts scale by the other dims' product), ``unflatten`` of a sharded dim
   whose rows per rank are multiples of the new inner dims' product;
 * ``reshape`` / ``view`` (override the built-ins) and ``flatten`` that merge two
   sharded dims (an H- and W-sharded grid into points): the inner dim is gathered
@@ -38,13 +38,25 @@ reshape or flatten that merges two sharded dims (one all-gather):
   is the sum over all shards, so it is all-reduced over the mesh dims that
   shard the input, in the backward pass only.
 
-Refused (``MissingShardPatch``): ``Partial`` inputs (prelu, cat), ``cat`` along a
-sharded dim or of tensors sharded differently (or of a replicated input of the
-wrong size), ``stack`` of differently sharded tensors, ``flatten`` with a sharded
-dim inside a group that does not start with one, ``unflatten`` cutting across a rank
+A plain DTensor with ``Shard`` placements next to ShardTensors in ``cat`` (FLARE's
+positional buffer, sharded DTensor's way in even chunks) is gathered first (one
+all-gather, differentiable), then cut to the ShardTensors' rows like a replicated input.
+
+Delegated (:func:`~physicsnemo_shardext.primitives.delegate`: the built-in for
+reshape/view, else the DTensor fallback), checked on 2 ranks: ``Partial`` inputs of
+``cat`` and ``stack`` (GeoTransolver's context builder), of reshape/view, and of
+flatten/unflatten/complex views (as before this plugin); reshapes that merge no
+sharded dim with a dim in front of it.
+
+Refused (``MissingShardPatch``): a reshape/view/flatten that merges a sharded dim
+with dims in front of it holding more than one row (a batch of 2 samples per domain
+group merged with the sharded H, as FNO's decoder does: each rank's rows would
+interleave in the merged dim, which the built-in labels ``Shard`` anyway); ``Partial``
+inputs of prelu (DTensor has no rule for ``aten._prelu_kernel_backward``); ``cat``
+along a sharded dim or of tensors sharded differently (or of a replicated input of the
+wrong size), ``stack`` of differently sharded tensors (the fallback assumes even
+chunks: wrong or failing on uneven shards); ``unflatten`` cutting across a rank
 boundary, a sharded prelu weight, ``view_as_complex`` with its last dim sharded.
-``Partial`` inputs of flatten/unflatten/complex views take the DTensor
-fallback, as before this plugin.
 
 Example (2 ranks, x of shape (1, 4, 7, 3) split 5 + 2 on dim 2)::
 
@@ -60,10 +72,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
+from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives.delegation import delegate, fallback
 from physicsnemo_shardext.primitives.layout import build_shard_tensor, from_local_like, sharded_dims
 from physicsnemo_shardext.primitives.replicated import replicated_local, replicated_part, sum_grad_over
 from physicsnemo_shardext.targets import describe_target
@@ -137,7 +149,7 @@ def complex_view_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Sh
     """
     x, *rest = args
     if not isinstance(x, ShardTensor) or rest or kwargs or any(p.is_partial() for p in x._spec.placements):
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)  # as before this plugin
+        return fallback(func, args, kwargs)  # as before this plugin
     rows = _row_counts(x)
     if func is torch.view_as_complex and (x.ndim - 1) in rows:
         raise MissingShardPatch("torch.view_as_complex: the last (real/imag) dim is sharded")
@@ -149,8 +161,9 @@ def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTe
 
     Rows of the first dim stay contiguous in the flattened dim, so each rank's count is
     multiplied by the product of the other dims in the group (e.g. AFNO's patch embedding
-    ``x.flatten(2)`` of ``(B, D, h, w)`` sharded on ``h``). A sharded dim inside the group
-    but not first is refused.
+    ``x.flatten(2)`` of ``(B, D, h, w)`` sharded on ``h``). Dims of size 1 in front of the
+    sharded dim (batch 1) do not matter; a sharded dim behind dims holding more than one row
+    (a batch of 2 flattened with ``h``) is refused, its rows would interleave across ranks.
 
     Example::
 
@@ -160,33 +173,38 @@ def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTe
     start = kwargs.get("start_dim", rest[0] if rest else 0)
     end = kwargs.get("end_dim", rest[1] if len(rest) > 1 else -1)
     if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)  # as before this plugin
+        return fallback(func, args, kwargs)  # as before this plugin
     if x.ndim == 0:
         return from_local_like(func(x.to_local(), *rest, **kwargs), x)
     start, end = int(start) % x.ndim, int(end) % x.ndim
     rows = _row_counts(x)
-    inside = [d for d in rows if start < d <= end]
-    if inside and start not in rows:
+    group = sorted(d for d in rows if start <= d <= end)
+    head = group[0] if group else start
+    lead = 1
+    for d in range(start, head):
+        lead *= x.shape[d]
+    if lead != 1:
         raise MissingShardPatch(
-            f"{describe_target(func)}({start}, {end}): dim {inside[0]} is sharded but is not the first of the "
-            "flattened group; its rows would interleave across ranks"
+            f"{describe_target(func)}({start}, {end}) of shape {tuple(x.shape)}: merges sharded dim {head} with "
+            f"dims {list(range(start, head))} in front of it (sizes {tuple(x.shape[start:head])}); its rows would "
+            "interleave across ranks (e.g. a batch of more than one sample per domain group)"
         )
-    if inside:
+    if group[1:]:
         # Two sharded dims in one group (an H- and W-sharded grid into points): DTensor can split
         # the points over one mesh dim only, so the inner dims are gathered first.
-        x = gather_dims(x, inside)
+        x = gather_dims(x, group[1:])
         rows = _row_counts(x)
     factor = 1
-    for d in range(start + 1, end + 1):
+    for d in range(head + 1, end + 1):
         factor *= x.shape[d]
     shift = end - start
     placements, sizes = list(x._spec.placements), {}
     for m, p in enumerate(placements):
         if isinstance(p, Shard):
             d = p.dim % x.ndim
-            new_d = d if d <= start else d - shift
+            new_d = d if d < start else start if d <= end else d - shift
             placements[m] = Shard(new_d)
-            sizes[new_d] = tuple(n * factor for n in rows[d]) if d == start else rows[d]
+            sizes[new_d] = tuple(n * factor for n in rows[d]) if d == head else rows[d]
     return build_shard_tensor(x.to_local().flatten(start, end), x._spec.mesh, placements, sizes)
 
 
@@ -204,7 +222,7 @@ def unflatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Shard
     dim = kwargs.get("dim", rest[0] if rest else None)
     shape = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
     if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)  # as before this plugin
+        return fallback(func, args, kwargs)  # as before this plugin
     dim = int(dim) % x.ndim
     rows = _row_counts(x)
     new_shape = list(torch.empty(x.shape[dim], device="meta").unflatten(0, tuple(shape)).shape)
@@ -281,9 +299,6 @@ def reshape_merging_sharded_dims(func: Any, types: tuple, args: tuple, kwargs: d
         # points: (H*W, c), Shard(0) over the H mesh dim (rows H_i * W), Replicate over the W mesh dim
     """
     x, *rest = args
-    builtin = builtin_handler(func)
-    if builtin is None:
-        raise MissingShardPatch(f"{describe_target(func)}: no built-in handler to delegate to")
     if isinstance(x, ShardTensor) and not any(p.is_partial() for p in x._spec.placements):
         shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
         if isinstance(shape, int):
@@ -296,9 +311,37 @@ def reshape_merging_sharded_dims(func: Any, types: tuple, args: tuple, kwargs: d
             merged = _merged_sharded_dims(x, new_shape) if new_shape is not None else []
         except MissingShardPatch:  # one dim sharded over several mesh dims: the built-in's business
             merged = []
+        if new_shape is not None:
+            _refuse_interleaving(func, x, new_shape, merged)
         if merged:
             args = (gather_dims(x, merged), *rest)
-    return builtin(func, types, args, kwargs)
+    return delegate(func, types, args, kwargs)
+
+
+def _refuse_interleaving(func: Any, x: ShardTensor, new_shape: Sequence[int], merged: Sequence[int]) -> None:
+    """Refuse a reshape that merges a sharded dim with dims in front of it holding more than one row.
+
+    With ``B > 1`` samples, ``(B, H, C) -> (B*H, C)`` puts sample 0's rows of every rank first:
+    rank 1's rows of sample 0 would sit in the middle of the merged dim, not after rank 0's
+    rows of every sample, so no ``Shard`` of the merged dim describes the result (the
+    built-in labels it ``Shard(0)`` anyway). Size-1 leading dims (batch 1) merge harmlessly.
+    """
+    try:
+        rows = _row_counts(x)
+    except MissingShardPatch:  # one dim sharded over several mesh dims: the built-in's business
+        return
+    old_products = _prefix_products(x.shape)
+    new_boundaries = set(_prefix_products(new_shape))
+    for d in sorted(rows):
+        if d in merged or old_products[d] in new_boundaries:
+            continue
+        start = max(k for k in range(d + 1) if old_products[k] in new_boundaries)
+        raise MissingShardPatch(
+            f"{describe_target(func)}{tuple(x.shape)} -> {tuple(new_shape)}: merges sharded dim {d} with dims "
+            f"{list(range(start, d))} in front of it (sizes {tuple(x.shape[start:d])}); each rank's rows would "
+            "interleave across ranks in the merged dim (e.g. a batch of more than one sample per domain "
+            "group). Move the sharded dim first (permute) or use one sample per domain group"
+        )
 
 
 def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
@@ -335,11 +378,20 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
     """
     tensors = list(kwargs.get("tensors", args[0] if args else ()))
     dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+    if any(_is_partial(t) for t in tensors):
+        # DTensor's cat of Partial(sum) operands is right (GeoTransolver's context builder).
+        return delegate(func, types, args, kwargs)
     reference = next((t for t in tensors if isinstance(t, ShardTensor)), None)
     if reference is not None and any(isinstance(t, torch.Tensor) and not isinstance(t, ShardTensor) for t in tensors):
         # A replicated operand (a plain tensor, e.g. FNO's full coordinate grid, or a Replicate
         # DTensor) is cut to the ShardTensor's rows; its gradient, if any, is summed over the shards.
-        tensors = [_replicated_rows(t, reference, func) if not isinstance(t, ShardTensor) else t for t in tensors]
+        # A plain DTensor sharded DTensor's way (even chunks, e.g. FLARE's positional buffer) is
+        # gathered first (differentiably), since its chunks need not line up with uneven shards.
+        tensors = [
+            t if isinstance(t, ShardTensor)
+            else _replicated_rows(_gathered(t), reference, func)
+            for t in tensors
+        ]
         args, kwargs = (tensors, dim), {}
     tensors, dim = _identical_shard_inputs(func, args, kwargs, "concatenation")
     first = tensors[0]
@@ -351,6 +403,20 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
         )
     local = torch.cat([t.to_local() for t in tensors], dim=dim)
     return from_local_like(local, first)
+
+
+def _is_partial(t: Any) -> bool:
+    """Whether ``t`` is a ShardTensor or DTensor with a ``Partial`` placement."""
+    return isinstance(t, (ShardTensor, DTensor)) and any(p.is_partial() for p in t.placements)
+
+
+def _gathered(value: Any) -> Any:
+    """A plain DTensor with ``Shard`` placements as a full plain tensor (differentiable all-gather); else ``value``."""
+    if isinstance(value, DTensor) and not isinstance(value, ShardTensor) and not all(
+        p.is_replicate() for p in value.placements
+    ):
+        return value.full_tensor()
+    return value
 
 
 def _replicated_rows(value: Any, like: ShardTensor, func: Any) -> ShardTensor:
@@ -373,6 +439,8 @@ def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
 
         o2 = torch.stack([re, im], dim=-1)   # both split 5/2 on dim 2 -> split 5/2 on dim 2
     """
+    if any(_is_partial(t) for t in kwargs.get("tensors", args[0] if args else ())):
+        return delegate(func, types, args, kwargs)  # DTensor stacks Partial(sum) operands right
     tensors, dim = _identical_shard_inputs(func, args, kwargs, "stacking")
     first = tensors[0]
     if any(t.shape != first.shape for t in tensors[1:]):

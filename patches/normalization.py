@@ -18,7 +18,9 @@ normalization itself is local, so the output keeps the input's layout.
   only (wrong on a ddp x domain or 2-D spatial mesh); 1-D meshes go the same way.
 
 Parameters (Replicate) get gradients all-reduced over every mesh dim that shards
-the input, so they come back Replicate and complete. ``Partial`` inputs, sharded
+the input, so they come back Replicate and complete. ``Partial`` inputs
+(kept: for ``group_norm`` the built-in fails outright; otherwise the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
+``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), sharded
 channel dims (batch/instance/group norm) and a tensor dim sharded by two mesh dims
 are refused with :class:`~physicsnemo_shardext.MissingShardPatch`.
 
@@ -134,6 +136,19 @@ def _count(layout: _Layout, dims: Sequence[int]) -> int:
     return math.prod(layout.global_shape[d] for d in dims)
 
 
+_REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _opmath(local: torch.Tensor) -> torch.Tensor:
+    """The dtype torch's norm kernels compute in: float32 for bf16/fp16 inputs (e.g. under autocast)."""
+    return local.float() if local.dtype in _REDUCED_PRECISION else local
+
+
+def _as_input(y: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """torch returns a bf16/fp16 input's dtype, whatever the parameters' dtype."""
+    return y.to(local.dtype) if local.dtype in _REDUCED_PRECISION else y
+
+
 def _bind(func: Callable, signature_of: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = inspect.signature(signature_of).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -202,7 +217,7 @@ def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
         count = _count(layout, dims)
         if count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
-        mean, var = _moments(local, dims, layout.groups_sharding(dims), count)
+        mean, var = _moments(_opmath(local), dims, layout.groups_sharding(dims), count)
         momentum = a["momentum"] if a["momentum"] is not None else 0.0
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * (count / (count - 1)), momentum)
@@ -210,7 +225,7 @@ def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: eval mode without running statistics is not supported")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    return layout.wrap(_scale_and_shift(local, mean, var, eps, weight, bias))
+    return layout.wrap(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local))
 
 
 # -- instance norm --------------------------------------------------------------------------
@@ -225,7 +240,7 @@ def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict)
         count = _count(layout, spatial)
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got input size {tuple(x.shape)}")
-        mean, var = _moments(local, spatial, layout.groups_sharding(spatial), count)
+        mean, var = _moments(_opmath(local), spatial, layout.groups_sharding(spatial), count)
         if running_mean is not None or running_var is not None:
             # Running stats average the per-instance stats over the (possibly sharded) batch.
             batch_groups, n = layout.groups_sharding([0]), layout.global_shape[0]
@@ -238,7 +253,7 @@ def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict)
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: use_input_stats=False without running statistics is not supported")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    return layout.wrap(_scale_and_shift(local, mean, var, eps, weight, bias))
+    return layout.wrap(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local))
 
 
 # -- group norm -----------------------------------------------------------------------------
@@ -250,7 +265,7 @@ def group_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
     if n_channels % groups_n:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}")
     local, ndim = x.to_local(), x.dim()
-    grouped = local.reshape((local.shape[0], groups_n, n_channels // groups_n) + tuple(local.shape[2:]))
+    grouped = _opmath(local).reshape((local.shape[0], groups_n, n_channels // groups_n) + tuple(local.shape[2:]))
     spatial = list(range(2, ndim))
     count = (n_channels // groups_n) * _count(layout, spatial)
     # Reduce over (channels in group, spatial) of the grouped view: its dims 2.. ; sharded ones are spatial.
@@ -260,7 +275,7 @@ def group_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
         y = y * _channel_view(weight, ndim)
     if bias is not None:
         y = y + _channel_view(bias, ndim)
-    return layout.wrap(y)
+    return layout.wrap(_as_input(y, local))
 
 
 # -- layer norm and RMS norm ----------------------------------------------------------------
@@ -292,13 +307,14 @@ def layer_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
     weight = _normalized_slice(_param(a["weight"], layout, op, "weight"), layout, first)
     bias = _normalized_slice(_param(a["bias"], layout, op, "bias"), layout, first)
     local = x.to_local()
-    mean, var = _moments(local, dims, layout.groups_sharding(dims), _count(layout, dims))
-    y = (local - mean) * torch.rsqrt(var + a["eps"])
+    work = _opmath(local)
+    mean, var = _moments(work, dims, layout.groups_sharding(dims), _count(layout, dims))
+    y = (work - mean) * torch.rsqrt(var + a["eps"])
     if weight is not None:
         y = y * weight
     if bias is not None:
         y = y + bias
-    return layout.wrap(y)
+    return layout.wrap(_as_input(y, local))
 
 
 def rms_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
@@ -308,12 +324,13 @@ def rms_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> S
     layout, dims, first = _trailing_norm(x, a["normalized_shape"], op)
     weight = _normalized_slice(_param(a["weight"], layout, op, "weight"), layout, first)
     local = x.to_local()
-    eps = a["eps"] if a["eps"] is not None else torch.finfo(local.dtype).eps
-    square = _all_reduce((local * local).sum(dim=tuple(dims), keepdim=True), layout.groups_sharding(dims))
-    y = local * torch.rsqrt(square / _count(layout, dims) + eps)
+    work = _opmath(local)
+    eps = a["eps"] if a["eps"] is not None else torch.finfo(work.dtype).eps
+    square = _all_reduce((work * work).sum(dim=tuple(dims), keepdim=True), layout.groups_sharding(dims))
+    y = work * torch.rsqrt(square / _count(layout, dims) + eps)
     if weight is not None:
         y = y * weight
-    return layout.wrap(y)
+    return layout.wrap(_as_input(y, local))
 
 
 NORMALIZATION_TARGETS: dict[Callable, Callable] = {

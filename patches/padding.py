@@ -26,8 +26,13 @@ to PhysicsNeMo's built-in (correct for that case); negative constant pads
 (cropping) on sharded dims are handled here: each rank keeps the part of its
 rows that survives the crop, so a crop wider than a boundary shard is fine.
 
-Refused (``MissingShardPatch``): ``Partial`` inputs; negative pads along a
-sharded dim with a non-constant mode. Invalid pads (reflect ``>= N``, circular
+Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
+``Partial`` inputs with zero constant, reflect or replicate padding (linear in the
+input: the built-in pads each rank's term; checked on 2 ranks, values and gradients).
+
+Refused (``MissingShardPatch``): ``Partial`` inputs with a non-zero constant (it
+would be added once per rank) or circular padding (the built-in has none);
+negative pads along a sharded dim with a non-constant mode. Invalid pads (reflect ``>= N``, circular
 ``> N``, wrong pad length for the mode) raise torch's own error, checked on the
 global shape.
 
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 
 __all__ = ["pad_source_rows", "sharded_pad"]
 
@@ -150,9 +155,12 @@ def sharded_pad(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Shar
         raise MissingShardPatch("torch.nn.functional.pad: the sharded tensor must be the input argument")
     placements = tuple(x._spec.placements)
     if any(p.is_partial() for p in placements):
+        if mode in ("reflect", "replicate") or (mode == "constant" and not value):
+            return delegate(func, types, args, kwargs)  # linear in x: the built-in pads each rank's term
         raise MissingShardPatch(
-            f"torch.nn.functional.pad: input has a Partial placement {placements}; padding a partial sum "
-            "would add the pad value once per rank (redistribute to Shard/Replicate first)"
+            f"torch.nn.functional.pad(mode={mode!r}, value={value!r}): input has a Partial placement "
+            f"{placements}; a non-zero pad value would be added once per rank, and the built-in has no "
+            "circular mode (redistribute to Shard/Replicate first)"
         )
     # torch's own validation (pad length vs mode and ndim, reflect < N, circular <= N) on the global shape.
     torch.nn.functional.pad(torch.empty(x.shape, device="meta", dtype=x.dtype), pad, mode, value)

@@ -6,11 +6,23 @@ sharding propagation). An activation is elementwise: applying it to each
 rank's local block *is* the sharded result, for any split, even or uneven,
 on any mesh. The output keeps the input's placements and shard sizes.
 
+Inputs with a ``Partial`` placement are summed first (redistributed to
+``Replicate`` over those mesh dims, one all-reduce, as the DTensor fallback
+does): a nonlinear function of a partial sum is not the partial sum of the
+function. The output is then replicated over those mesh dims.
+
+Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
+fallback: PhysicsNeMo has no activation handler): calls whose first argument is
+not a ShardTensor, and ``inplace=True`` of ``silu``/``elu``/``leaky_relu``
+(checked on 2 ranks, uneven shards: the input is updated in place, values and
+gradients match single-process).
+
 Refused (``MissingShardPatch``):
 
-* ``inplace=True``: would mutate the caller's local block behind autograd's back;
-* inputs with a ``Partial`` placement: a nonlinear function of a partial sum is
-  not the partial sum of the function.
+* ``inplace=True`` on a ``Partial`` input: DTensor refuses an in-place op that
+  would change the placement (and the caller's partial terms would be lost);
+* ``inplace=True`` of other activations (``hardswish``, ``mish``): DTensor has no
+  sharding rule for their backward ops, so the delegate would fail in backward.
 
 Example (2 ranks)::
 
@@ -25,11 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Replicate
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import delegate
 from physicsnemo_shardext.targets import describe_target
 
-__all__ = ["POINTWISE_ACTIVATIONS", "local_pointwise"]
+__all__ = ["INPLACE_DELEGATED", "POINTWISE_ACTIVATIONS", "local_pointwise"]
 
 POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
     F.gelu,
@@ -49,6 +63,11 @@ POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
 )
 
 
+#: Activations whose ``inplace=True`` calls are delegated to the DTensor fallback (checked right,
+#: values and gradients, on uneven shards); the others' backward ops have no DTensor rule.
+INPLACE_DELEGATED: frozenset[Callable[..., Any]] = frozenset({F.silu, F.elu, F.leaky_relu})
+
+
 def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """Apply an elementwise activation to the local shard and keep the input's sharding.
 
@@ -58,17 +77,26 @@ def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     """
     tensor, *rest = args
     if not isinstance(tensor, ShardTensor):
-        # Only reachable when a ShardTensor hides in another argument: refuse loudly.
-        raise MissingShardPatch(
-            f"{describe_target(func)}: the sharded tensor must be the first argument"
-        )
+        # Only reachable when a ShardTensor hides in another argument.
+        return delegate(func, types, args, kwargs)
+    partial = any(placement.is_partial() for placement in tensor._spec.placements)
     if kwargs.get("inplace") or any(arg is True for arg in rest):
-        raise MissingShardPatch(f"{describe_target(func)}: inplace=True is not supported on ShardTensor")
-    if any(placement.is_partial() for placement in tensor._spec.placements):
-        raise MissingShardPatch(
-            f"{describe_target(func)}: input has a Partial placement {tensor._spec.placements}; "
-            "a nonlinear activation of a partial sum needs the sum first (redistribute to Shard/Replicate)"
-        )
+        if partial:
+            raise MissingShardPatch(
+                f"{describe_target(func)}(inplace=True): input has a Partial placement "
+                f"{tuple(tensor._spec.placements)}; an in-place activation of a partial sum cannot keep "
+                "the placement (use inplace=False, or redistribute first)"
+            )
+        if func not in INPLACE_DELEGATED:
+            raise MissingShardPatch(
+                f"{describe_target(func)}(inplace=True) on a ShardTensor: the DTensor fallback has no "
+                "sharding rule for its backward (use inplace=False)"
+            )
+        return delegate(func, types, args, kwargs)
+    if partial:
+        # The sum first (one all-reduce, differentiable), as the DTensor fallback does.
+        placements = [Replicate() if p.is_partial() else p for p in tensor._spec.placements]
+        tensor = tensor.redistribute(tensor._spec.mesh, placements)
     local_output = func(tensor.to_local(), *rest, **kwargs)
     return ShardTensor.from_local(
         local_output,

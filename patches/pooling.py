@@ -22,8 +22,14 @@ Max-pool indices (``return_indices=True``) are *global* flat indices over the
 input's spatial dims, as in a single-process run; ties resolve to the first
 element in row-major order, as in PyTorch.
 
-Refused (``MissingShardPatch``): ``Partial`` inputs; a spatial dim sharded over
-two mesh dims. Limitation: NaNs in a global (output size 1) adaptive max over a
+Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
+``avg_pool*d`` of ``Partial`` inputs (an average is linear in the input; checked on
+2 ranks, values and gradients).
+
+Refused (``MissingShardPatch``): ``Partial`` inputs of max pools (the max of a
+partial sum is not the sum of the maxima) and of adaptive pools (no built-in; the
+DTensor fallback's forward is right, but its backward through the ``fallback_fix``
+plugin fails on a ``Partial`` input); a spatial dim sharded over two mesh dims. Limitation: NaNs in a global (output size 1) adaptive max over a
 sharded dim are not propagated like PyTorch does (see docs/patches/pooling.md).
 
 Example (2 ranks, height 17 split 10/7)::
@@ -45,8 +51,8 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
+from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
@@ -238,6 +244,8 @@ def pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any
     x = a["input"]
     if not isinstance(x, ShardTensor):
         raise MissingShardPatch(f"{op}: the sharded tensor must be the input")
+    if not is_max and builtin_handler(func) is not None and any(p.is_partial() for p in x._spec.placements):
+        return delegate(func, types, args, kwargs)  # an average is linear: the built-in pools each rank's term
     refuse_partial(x, op)
     return_indices = is_max and (func in _MAX_POOLS_WITH_INDICES or bool(a["return_indices"]))
     stride = a["stride"]

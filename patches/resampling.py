@@ -45,7 +45,7 @@ from physicsnemo.domain_parallel import ShardTensor
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.patches.pooling import bind_arguments, connected_zeros, refuse_partial, split_rows_by_owner
-from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = ["interpolate_handler", "pixel_shuffle_handler", "pixel_unshuffle_handler", "source_rows"]
@@ -282,6 +282,8 @@ def interpolate_handler(func: Callable, types: tuple, args: tuple, kwargs: dict)
     op = describe_target(func)
     a = bind_arguments(op, _SIGNATURE, args, kwargs)
     x, mode = a["input"], a["mode"]
+    if isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements):
+        return delegate(func, types, args, kwargs)  # interpolation is linear: the built-in resizes each term
     refuse_partial(x, op)
     meta_kwargs = {k: v for k, v in a.items() if k != "input"}
     out_shape = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs).shape  # PyTorch's checks

@@ -15,7 +15,9 @@ shard sizes**; dims that are not sharded are rolled/flipped locally.
 * ``flip`` (also ``fliplr`` / ``flipud``): output row ``i`` is input row ``n - 1 - i``.
 
 Refused (``MissingShardPatch``): ``torch.roll`` without ``dims`` (a roll of the
-flattened tensor) when any dim is sharded, ``Partial`` placements, a tensor dim
+flattened tensor) when any dim is sharded, ``Partial`` placements
+(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
+``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), a tensor dim
 sharded over two mesh dims.
 
 Example (2 ranks, ``x`` of height 7 sharded ``Shard(0)`` 5/2)::

@@ -15,7 +15,9 @@ shard sizes, and only per-rank statistics cross ranks:
   all-gathers the gradient of that row: the prefix of rank ``r`` feeds every
   later rank). Along an unsharded dim: purely local.
 
-Refused (``MissingShardPatch``): inputs with a ``Partial`` placement, a
+Refused (``MissingShardPatch``): inputs with a ``Partial`` placement
+(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
+``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), a
 tensor dim sharded over two mesh dims, named dims, the sharded tensor not being
 the first argument, ``cumsum(out=...)``, a softmax of an integer tensor along a
 sharded dim without ``dtype=`` (torch has no kernel for it either).
@@ -157,8 +159,11 @@ def sharded_softmax(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     if layout is None:
         out = (torch.log_softmax if kind == "log_softmax" else torch.softmax)(local, dim)
     else:
-        shifted, log_total = _sharded_log_softmax_local(local, layout)
+        # torch's kernels compute bf16/fp16 (e.g. autocast activations) in float32, rounding once.
+        work = local.float() if local.dtype in (torch.bfloat16, torch.float16) else local
+        shifted, log_total = _sharded_log_softmax_local(work, layout)
         out = shifted - log_total if kind == "log_softmax" else (shifted - log_total).exp()
+        out = out.to(local.dtype)
     return from_local_like(out, x)
 
 

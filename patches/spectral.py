@@ -18,8 +18,9 @@ op below works per sharded dim, so both cases take the same code):
   sharded index is cut to this rank's rows, the einsum runs locally, and the
   output is sharded on that index (same split). The gradients of replicated
   operands are all-reduced over the mesh dims that shard the sharded operands
-  (in backward only), so they come back complete on every rank. Forward: no
-  communication.
+  (in backward only), so they come back complete on every rank; so are those
+  of ``Replicate`` ShardTensor operands (Transolver's attended slice tokens).
+  Forward: no communication.
 * ``out[idx] = value`` (``torch.Tensor.__setitem__``) into a ShardTensor ``out``
   (e.g. ``torch.zeros_like(x_ft)``, sharded like the spectrum): each rank
   writes its part locally; autograd sees a functional update (the tensor
@@ -45,7 +46,9 @@ Refused (``MissingShardPatch``):
 
 * einsum that contracts a sharded index (the result would be a partial sum),
   two operands sharded differently on one index, ``...`` over a sharded dim
-  mixed with broadcasting, a ``Partial`` or ``Shard`` DTensor operand;
+  mixed with broadcasting, a ``Partial`` or ``Shard`` DTensor operand
+  (kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
+  ``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum));
 * setitem into a DTensor target that is not a promoted plain tensor;
 * setitem whose value is sharded differently from the target region.
 
@@ -427,7 +430,11 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
                     f"torch.einsum {equation!r}: operand {subs!r} is sharded, but not on every sharded index "
                     f"{sorted(sharded)} it carries"
                 )
-            locals_.append(local)
+            # Replicate over a mesh dim that shards another operand (e.g. Transolver's attended slice
+            # tokens, a Replicate ShardTensor, against the point-sharded slice weights): each rank used
+            # it for its own rows only, so its gradient is summed over that mesh dim, as for plain ones.
+            replicated_over = [d for d in shard_mesh_dims if op._spec.placements[d].is_replicate()]
+            locals_.append(sum_grad_over(local, mesh, replicated_over))
             continue
         # Each rank only sees its rows: the full gradient is the sum over ranks.
         local = sum_grad_over(replicated_local(op, f"torch.einsum {equation!r}: operand"), mesh, shard_mesh_dims)

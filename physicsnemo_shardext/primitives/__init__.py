@@ -9,6 +9,7 @@ Example::
 """
 
 from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
+from physicsnemo_shardext.primitives.delegation import delegate, fallback
 from physicsnemo_shardext.primitives.index_exchange import (
     ExchangePlan,
     gather_global_indices,
@@ -27,7 +28,9 @@ __all__ = [
     "DimLayout",
     "ExchangePlan",
     "build_shard_tensor",
+    "delegate",
     "dim_layout",
+    "fallback",
     "from_local_like",
     "gather_global_indices",
     "halo_indices",

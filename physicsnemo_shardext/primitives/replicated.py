@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import sharded_dims
 
-__all__ = ["gather_full", "replicated_local", "replicated_part", "sum_grad_over"]
+__all__ = ["gather_full", "replicated_local", "replicated_part", "sum_grad_over", "sum_to_replicated"]
 
 
 class _SumGradOver(torch.autograd.Function):
@@ -67,6 +67,38 @@ def sum_grad_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int
     if not mesh_dims:
         return value
     return _SumGradOver.apply(value, mesh, tuple(mesh_dims))
+
+
+class _SumToReplicated(torch.autograd.Function):
+    """All-reduce (sum) forward over the given mesh dims; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+        total = addend.contiguous().clone()
+        for mesh_dim in mesh_dims:
+            dist.all_reduce(total, group=mesh.get_group(mesh_dim))
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """The sum of every rank's ``addend`` over ``mesh_dims``, the same on each rank; identity in backward.
+
+    Right where the total is a *replicated* value (a loss every rank holds whole and
+    calls ``backward`` on with the same cotangent): each rank's addend then receives
+    that cotangent unchanged, and the ranks together cover every term exactly once.
+    Forward: one all-reduce per mesh dim.
+
+    Example::
+
+        loss = sum_to_replicated(local_terms.sum(), x._spec.mesh, [0])   # global sum on every rank
+    """
+    if not mesh_dims:
+        return addend
+    return _SumToReplicated.apply(addend, mesh, tuple(mesh_dims))
 
 
 def replicated_local(value: Any, what: str) -> Any:

@@ -14,6 +14,10 @@ that names the tensor, the max abs error and the ranks. A second pass, on fresh
 copies, counts the collectives and bytes of forward and backward
 (:class:`~physicsnemo_shardext.testing.comm_accounting.CommCounter`).
 
+With ``autocast=torch.bfloat16`` (or ``("cuda", torch.float16)``) both forwards run
+under :func:`torch.autocast` and the tolerances come from the single-process
+autocast-vs-fp32 error (see :func:`check_conformance`).
+
 Every rank of the world must call it (it gathers results over the default group),
 with identical module parameters and full inputs (multirank tests are seeded
 identically on every rank; this is checked).
@@ -28,6 +32,7 @@ Example (inside ``@pytest.mark.multirank(2)`` with the ``domain_mesh`` fixture):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from collections.abc import Callable, Sequence
@@ -45,9 +50,15 @@ from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo_shardext.testing.comm_accounting import CommCounter, PhaseCommStats
 from physicsnemo_shardext.testing.sharding import SplitSizes, shard_tensor
 
-__all__ = ["ConformanceError", "ConformanceReport", "Mismatch", "ShardSpec", "check_conformance"]
+__all__ = [
+    "AUTOCAST_ERROR_FACTOR", "ConformanceError", "ConformanceReport", "Mismatch", "ShardSpec", "check_conformance",
+]
 
 ParamMode = Literal["distribute", "plain"]
+
+# Under autocast, a compared tensor may differ from the single-process autocast reference by
+# up to this many times the reference's own autocast-vs-fp32 error (see check_conformance).
+AUTOCAST_ERROR_FACTOR = 4.0
 
 # ShardTensor is not a DTensor subclass; both carry a mesh and placements.
 _DISTRIBUTED = (ShardTensor, DTensor)
@@ -97,10 +108,51 @@ class ConformanceReport:
     max_abs_errors: dict[str, float] = field(default_factory=dict)
     output_placements: list[tuple[Placement, ...] | None] = field(default_factory=list)
     comms: PhaseCommStats | None = None
+    #: ``(device_type, dtype)`` when the check ran under ``torch.autocast``, else ``None``.
+    autocast: tuple[str, torch.dtype] | None = None
+    #: Under autocast: max abs error of the single-process autocast run against the same
+    #: run in full precision, per compared tensor (what the tolerances are derived from).
+    autocast_reference_errors: dict[str, float] = field(default_factory=dict)
+    #: Under autocast: the ``atol`` each tensor was compared with.
+    autocast_atols: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         worst = max(self.max_abs_errors.values(), default=0.0)
-        return f"conformant (worst abs error {worst:.2e}); comms {self.comms}"
+        under = "" if self.autocast is None else f" under {_describe_autocast(self.autocast)}"
+        return f"conformant{under} (worst abs error {worst:.2e}); comms {self.comms}"
+
+
+# -- autocast -------------------------------------------------------------------------------
+def _resolve_autocast(
+    option: torch.dtype | tuple[str, torch.dtype] | None, mesh: DeviceMesh
+) -> tuple[str, torch.dtype] | None:
+    """``None``, a dtype (on the mesh's device type) or ``(device_type, dtype)``."""
+    if option is None:
+        return None
+    if isinstance(option, torch.dtype):
+        device_type, dtype = mesh.device_type, option
+    elif isinstance(option, (tuple, list)) and len(option) == 2 and isinstance(option[1], torch.dtype):
+        device_type, dtype = str(option[0]), option[1]
+    else:
+        raise TypeError(f"autocast must be a torch.dtype or a (device_type, dtype) pair, got {option!r}")
+    if device_type != mesh.device_type:
+        raise ValueError(
+            f"autocast device type {device_type!r} differs from the mesh's {mesh.device_type!r}: "
+            "the ops would run outside the autocast region"
+        )
+    if not dtype.is_floating_point:
+        raise ValueError(f"autocast dtype must be a floating-point dtype, got {dtype}")
+    return device_type, dtype
+
+
+def _describe_autocast(autocast: tuple[str, torch.dtype]) -> str:
+    return f"torch.autocast({autocast[0]!r}, dtype={autocast[1]})"
+
+
+def _autocast_region(autocast: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager[Any]:
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(autocast[0], dtype=autocast[1])
 
 
 # -- building the two runs ------------------------------------------------------------------
@@ -156,9 +208,17 @@ def _prepare_callable(fn: Callable[..., Any], mesh: DeviceMesh, params: ParamMod
 
 
 def _cotangent_for(output: torch.Tensor, full_shape: torch.Size, seed: int) -> torch.Tensor:
-    """A random cotangent (same on every rank) laid out like ``output``."""
+    """A random cotangent (same on every rank) laid out like ``output``.
+
+    Drawn in float32 and cast for the reduced-precision float dtypes, so an autocast run
+    and its full-precision counterpart get the same values (up to rounding).
+    """
     generator = torch.Generator().manual_seed(seed)
-    full = torch.randn(full_shape, generator=generator, dtype=output.dtype).to(output.device)
+    if output.dtype in (torch.bfloat16, torch.float16):
+        full = torch.randn(full_shape, generator=generator).to(output.dtype)
+    else:
+        full = torch.randn(full_shape, generator=generator, dtype=output.dtype)
+    full = full.to(output.device)
     if not isinstance(output, _DISTRIBUTED):
         return full
     # Partial outputs take Replicate gradients.
@@ -183,7 +243,7 @@ def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
 # -- comparing ------------------------------------------------------------------------------
 def _compare(
     what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
-    mismatches: list[Mismatch], errors: dict[str, float],
+    mismatches: list[Mismatch], errors: dict[str, float], *, check_dtype: bool = False, note: str = "",
 ) -> None:
     if expected is None and actual is None:
         return
@@ -194,13 +254,16 @@ def _compare(
     if actual.shape != expected.shape:
         mismatches.append(Mismatch(what, f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"))
         return
+    if check_dtype and actual.dtype != expected.dtype:
+        mismatches.append(Mismatch(what, f"dtype {actual.dtype} != reference {expected.dtype}{note}"))
+        return
     actual, expected = actual.detach(), expected.detach()
     # Complex values are compared as complex (.double() would drop the imaginary part).
     wide = torch.complex128 if actual.is_complex() or expected.is_complex() else torch.float64
     error = (actual.to(wide) - expected.to(wide)).abs().max().item() if actual.numel() else 0.0
     errors[what] = error
     if not torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
-        mismatches.append(Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}", error))
+        mismatches.append(Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}{note}", error))
 
 
 def _gathered(value: torch.Tensor) -> tuple[torch.Tensor, tuple[Placement, ...] | None]:
@@ -236,9 +299,75 @@ def _param_grad(name: str, param: torch.Tensor, params: ParamMode, mismatches: l
     return grad.full_tensor()
 
 
+class _AutocastTolerance:
+    """Per-tensor tolerances under autocast, from the single-process autocast-vs-full-precision error.
+
+    ``baseline`` holds what the reference run produced in full precision (same inputs,
+    parameters and cotangents, no autocast), by the name used in mismatches. See
+    :func:`check_conformance` for the rule; dtypes must equal the reference's.
+    """
+
+    def __init__(self, autocast: tuple[str, torch.dtype], factor: float, baseline: dict[str, torch.Tensor | None],
+                 report: ConformanceReport) -> None:
+        self.autocast, self.factor, self.baseline, self.report = autocast, factor, baseline, report
+
+    def reference_error(self, what: str, expected: torch.Tensor | None) -> tuple[float, float]:
+        """``(e, scale)``: the measured error, and ``max(e, eps * max|expected|)`` where it is not 0."""
+        full = self.baseline.get(what)
+        if expected is None or full is None or full.shape != expected.shape or not expected.numel():
+            return 0.0, 0.0
+        wide = torch.complex128 if expected.is_complex() or full.is_complex() else torch.float64
+        expected = expected.detach().to(wide)
+        error = (expected - full.detach().to(wide)).abs().max().item()
+        if error == 0.0:  # autocast did not touch this tensor: the plain tolerance
+            return 0.0, 0.0
+        # A max over few elements (a bias gradient) can be far below the rounding unit by luck.
+        unit = torch.finfo(self.autocast[1]).eps * expected.abs().max().item()
+        return error, max(error, unit)
+
+    def compare(
+        self, what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
+        mismatches: list[Mismatch], errors: dict[str, float],
+    ) -> None:
+        error, scale = self.reference_error(what, expected)
+        used = max(atol, self.factor * scale)
+        self.report.autocast_reference_errors[what] = error
+        self.report.autocast_atols[what] = used
+        note = (f"; autocast reference vs fp32 error {error:.3e}, "
+                f"atol = max({atol:g}, {self.factor:g} x max(that, eps x max|reference|))")
+        _compare(what, actual, expected, rtol, used, mismatches, errors, check_dtype=True, note=note)
+
+
+def _full_precision_results(
+    fn: Callable[..., Any], inputs: Sequence[Any], specs: Sequence[ShardSpec | None], kwargs: dict[str, Any],
+    cotangents: Sequence[torch.Tensor | None],
+) -> dict[str, torch.Tensor | None]:
+    """Run the reference once without autocast and name what it produced like the comparisons do.
+
+    ``cotangents[i]`` is the autocast reference's cotangent of output ``i`` (``None``: no
+    gradient flows from it); it is cast to this run's output dtype.
+    """
+    module = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
+    run_inputs = _reference_inputs(inputs)
+    outputs = _tensor_leaves(module(*run_inputs, **kwargs))
+    results: dict[str, torch.Tensor | None] = {f"output[{i}]": o.detach() for i, o in enumerate(outputs)}
+    pairs = [(o, c.to(o.dtype)) for o, c in zip(outputs, cotangents) if c is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    for i, x in enumerate(run_inputs):
+        if specs[i] is not None and _needs_grad(inputs[i]):
+            results[f"gradient of input[{i}]"] = x.grad
+    if isinstance(module, torch.nn.Module):
+        for name, param in module.named_parameters():
+            results[f"gradient of parameter {name!r}"] = param.grad
+        for name, buffer in module.named_buffers():
+            results[f"buffer {name!r}"] = buffer.detach()
+    return results
+
+
 def _compare_buffers(
     sharded: torch.nn.Module, reference: torch.nn.Module, rtol: float, atol: float,
-    mismatches: list[Mismatch], errors: dict[str, float],
+    mismatches: list[Mismatch], errors: dict[str, float], tolerance: _AutocastTolerance | None = None,
 ) -> None:
     """Buffers after the run (running stats, counters) must equal the reference's, on every rank.
 
@@ -255,7 +384,10 @@ def _compare_buffers(
         if isinstance(actual, _DISTRIBUTED):
             replicated = all(isinstance(p, Replicate) for p in actual.placements)
             actual = actual.to_local() if replicated else actual.full_tensor()
-        _compare(what, actual, ref_buffer, rtol, atol, mismatches, errors)
+        if tolerance is None:
+            _compare(what, actual, ref_buffer, rtol, atol, mismatches, errors)
+        else:
+            tolerance.compare(what, actual, ref_buffer, rtol, atol, mismatches, errors)
 
 
 def _checksum(tensors: Sequence[torch.Tensor]) -> str:
@@ -302,6 +434,8 @@ def check_conformance(
     kwargs: dict[str, Any] | None = None,
     count_comms: bool = True,
     seed: int = 0,
+    autocast: torch.dtype | tuple[str, torch.dtype] | None = None,
+    autocast_factor: float = AUTOCAST_ERROR_FACTOR,
 ) -> ConformanceReport:
     """Check that ``fn`` on sharded inputs equals ``fn`` on the full inputs, values and gradients.
 
@@ -323,9 +457,29 @@ def check_conformance(
         kwargs: extra keyword arguments for ``fn`` (not sharded).
         count_comms: also count collectives/bytes of forward and backward in a separate pass.
         seed: seed of the random cotangents.
+        autocast: run both forwards (reference and sharded; also the comm-counting pass)
+            under ``torch.autocast``: a dtype (``torch.bfloat16``, ``torch.float16``) on the
+            mesh's device type, or a ``(device_type, dtype)`` pair, which must name the
+            mesh's device type. Backward runs outside the region, as torch recommends.
+            The reference also runs once in full precision (same parameters, inputs and
+            cotangents); for every compared tensor, ``e`` = max abs error of the autocast
+            reference against it, and the tensor is compared with
+            ``atol = max(atol, autocast_factor * max(e, eps * max|reference|))``, ``eps`` the
+            autocast dtype's machine epsilon (``rtol`` unchanged; ``grad_atol`` likewise for
+            gradients). Dtypes must equal the reference's. A tensor autocast leaves alone
+            (``e == 0``: its ops ran in full precision) keeps the plain ``atol``.
+        autocast_factor: ``k`` above (default :data:`AUTOCAST_ERROR_FACTOR`, 4). The sharded
+            autocast run rounds in other places than the reference (per-shard partial sums,
+            reductions of low-precision partials), so it differs from the reference by about
+            the reference's own rounding error, at most a few rounding units of the tensor's
+            largest value; the ``eps`` floor covers tensors of few elements, whose max error
+            can be far below one unit by chance. A wrong result (a missing halo, an unreduced
+            or doubled gradient) is off by the size of the values, far above ``4 eps``
+            (3 % of the largest value in bf16, 0.4 % in fp16).
 
     Returns:
-        A :class:`ConformanceReport` (errors measured, output placements, comm counts).
+        A :class:`ConformanceReport` (errors measured, output placements, comm counts;
+        under autocast also the reference errors and the ``atol`` used per tensor).
 
     Raises:
         ConformanceError: on every rank, if any rank saw a mismatch.
@@ -339,28 +493,48 @@ def check_conformance(
         raise ValueError("no input is sharded")
     mesh = sharded_specs[0].mesh
     default_placements = tuple(sharded_specs[0].placements)
+    amp = _resolve_autocast(autocast, mesh)
     fn, inputs = _to_mesh_device(fn, inputs, mesh)
     _assert_same_on_all_ranks(fn, inputs)
 
-    report = ConformanceReport()
+    report = ConformanceReport(autocast=amp)
     mismatches: list[Mismatch] = []
 
     # Reference: the full computation, locally.
     reference = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
     ref_inputs = _reference_inputs(inputs)
-    ref_outputs = _tensor_leaves(reference(*ref_inputs, **kwargs))
+    with _autocast_region(amp):
+        ref_outputs = _tensor_leaves(reference(*ref_inputs, **kwargs))
+
+    tolerance: _AutocastTolerance | None = None
+    if amp is not None:
+        # The same reference in full precision, with the same cotangents: its error sets the tolerances.
+        # Numbered as _backward numbers them: the j-th output that requires grad gets seed + j.
+        cotangents: list[torch.Tensor | None] = []
+        for r in ref_outputs:
+            j = sum(c is not None for c in cotangents)
+            cotangents.append(_cotangent_for(r, r.shape, seed + j) if r.requires_grad else None)
+        baseline = _full_precision_results(fn, inputs, specs, kwargs, cotangents)
+        tolerance = _AutocastTolerance(amp, autocast_factor, baseline, report)
+
+    def compare(what: str, actual: Any, expected: Any, rtol_: float, atol_: float) -> None:
+        if tolerance is None:
+            _compare(what, actual, expected, rtol_, atol_, mismatches, report.max_abs_errors)
+        else:
+            tolerance.compare(what, actual, expected, rtol_, atol_, mismatches, report.max_abs_errors)
 
     # Sharded run.
     sharded = _prepare_callable(fn, mesh, params)
     sh_inputs = _sharded_inputs(inputs, specs)
-    sh_outputs = _tensor_leaves(sharded(*sh_inputs, **kwargs))
+    with _autocast_region(amp):
+        sh_outputs = _tensor_leaves(sharded(*sh_inputs, **kwargs))
     if len(sh_outputs) != len(ref_outputs):
         raise ConformanceError([Mismatch("outputs", f"{len(sh_outputs)} tensors, reference has {len(ref_outputs)}")])
 
     for i, (sh_out, ref_out) in enumerate(zip(sh_outputs, ref_outputs)):
         full, placements = _gathered(sh_out)
         report.output_placements.append(placements)
-        _compare(f"output[{i}]", full, ref_out, rtol, atol, mismatches, report.max_abs_errors)
+        compare(f"output[{i}]", full, ref_out, rtol, atol)
         wanted = _expected_placements_for(i, expected_placements, default_placements)
         if wanted is not False and placements != wanted:
             mismatches.append(Mismatch(f"placements of output[{i}]", f"{placements} != expected {wanted}"))
@@ -369,10 +543,8 @@ def check_conformance(
     for i, (sh_in, ref_in) in enumerate(zip(sh_inputs, ref_inputs)):
         if specs[i] is not None and _needs_grad(inputs[i]):
             grad = sh_in.grad
-            _compare(
-                f"gradient of input[{i}]", _gathered(grad)[0] if grad is not None else None, ref_in.grad,
-                grad_rtol, grad_atol, mismatches, report.max_abs_errors,
-            )
+            compare(f"gradient of input[{i}]", _gathered(grad)[0] if grad is not None else None, ref_in.grad,
+                    grad_rtol, grad_atol)
     if isinstance(fn, torch.nn.Module):
         sh_params = dict(sharded.named_parameters())
         for name, ref_param in reference.named_parameters():
@@ -381,15 +553,16 @@ def check_conformance(
                 mismatches.append(Mismatch(what, "parameter missing from the sharded module"))
                 continue
             actual = _param_grad(name, sh_params[name], params, mismatches)
-            _compare(what, actual, ref_param.grad, grad_rtol, grad_atol, mismatches, report.max_abs_errors)
-        _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors)
+            compare(what, actual, ref_param.grad, grad_rtol, grad_atol)
+        _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors, tolerance)
 
     merged = _merge(_all_gather(mismatches))
     if merged:
-        raise ConformanceError(merged, f" ({getattr(fn, '__name__', type(fn).__name__)})")
+        under = "" if amp is None else f", forward under {_describe_autocast(amp)}"
+        raise ConformanceError(merged, f" ({getattr(fn, '__name__', type(fn).__name__)}{under})")
 
     if count_comms:
-        report.comms = measure_comms(fn, inputs, specs, params=params, kwargs=kwargs, seed=seed)
+        report.comms = measure_comms(fn, inputs, specs, params=params, kwargs=kwargs, seed=seed, autocast=autocast)
     return report
 
 
@@ -411,11 +584,13 @@ def measure_comms(
     params: ParamMode = "distribute",
     kwargs: dict[str, Any] | None = None,
     seed: int = 0,
+    autocast: torch.dtype | tuple[str, torch.dtype] | None = None,
 ) -> PhaseCommStats:
     """Count collectives and payload bytes of one sharded forward and one backward (fresh copies).
 
     Setup work (sharding the inputs, ``distribute_module``, building the cotangent) is
-    not counted.
+    not counted. ``autocast`` runs the forward under ``torch.autocast`` as in
+    :func:`check_conformance`.
 
     Example::
 
@@ -425,11 +600,12 @@ def measure_comms(
     kwargs = kwargs or {}
     specs = _specs_for(inputs, shardings)
     mesh = next(s for s in specs if s is not None).mesh
+    amp = _resolve_autocast(autocast, mesh)
     fn, inputs = _to_mesh_device(fn, inputs, mesh)
     sharded = _prepare_callable(fn, mesh, params)
     sh_inputs = _sharded_inputs(inputs, specs)
     stats = PhaseCommStats()
-    with CommCounter() as forward:
+    with CommCounter() as forward, _autocast_region(amp):
         outputs = _tensor_leaves(sharded(*sh_inputs, **kwargs))
     stats.forward = forward.stats
     differentiable = [o for o in outputs if o.requires_grad]

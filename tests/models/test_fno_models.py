@@ -217,3 +217,16 @@ def test_fno2d_loss_on_2x2_mesh_against_a_target_sharded_like_the_input(spatial_
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, **TOLERANCE, msg=name)
+
+
+@pytest.mark.multirank(2, timeout=60)
+def test_fno2d_with_two_samples_per_domain_group_is_refused_not_wrong(domain_mesh):
+    # FNO's decoder permutes (B, C, H, W) -> (B, H, W, C) and reshapes to (-1, C): with B = 2 the
+    # merged rows of the two samples interleave across ranks. That must not come back silently wrong.
+    x = torch.randn(2, 2, 17, 13)
+    try:
+        report = check_conformance(FNO(**FNO2D), [x], ShardSpec(domain_mesh, [Shard(2)], [9, 8]), **TOLERANCE)
+    except MissingShardPatch as refusal:
+        assert "merges sharded dim 1 with dims [0]" in str(refusal)
+    else:  # a future, correct handling of several samples per domain group is fine too
+        assert report.max_abs_errors

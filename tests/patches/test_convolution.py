@@ -247,9 +247,38 @@ def test_refusals(domain_mesh, rank):
     with pytest.raises(MissingShardPatch, match="conv2d: input sharded along the channel dim"):
         F.conv2d(channels, torch.randn(2, 4, 3, 3), padding=1)
     partial = ShardTensor.from_local(torch.randn(1, 3, 5, 5), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="conv_transpose2d: input has a Partial placement"):
-        F.conv_transpose2d(partial, w.transpose(0, 1))
+    with pytest.raises(MissingShardPatch, match=r"conv_transpose2d: input has a Partial placement .* and a bias"):
+        F.conv_transpose2d(partial, w.transpose(0, 1), torch.randn(3))  # the built-in adds the bias per rank
     xs = shard_tensor(torch.randn(1, 3, 9, 5), domain_mesh, [Shard(2)], [5, 4])
     sharded_weight = shard_tensor(w, domain_mesh, [Shard(0)], [2, 2])
     with pytest.raises(MissingShardPatch, match="conv2d"):
         F.conv2d(xs, sharded_weight)  # weights must be plain or replicated
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv2d", "conv_transpose2d"])
+def test_partial_input_without_bias_is_delegated_to_the_builtin(domain_mesh, rank, transposed):
+    # A convolution is linear: the built-in convolves each rank's term of the Partial(sum).
+    torch.manual_seed(0)
+    full, w = torch.randn(1, 3, 6, 5), torch.randn(4, 3, 3, 3)
+    share = torch.rand(full.shape)
+    local = full * share if rank == 0 else full * (1 - share)
+    partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+    func, weight = (F.conv_transpose2d, w.transpose(0, 1)) if transposed else (F.conv2d, w)
+    out = func(partial, weight, padding=1)
+    torch.testing.assert_close(out.full_tensor(), func(full, weight, padding=1), **TOL)
+    with physicsnemo_shardext.disabled(plugins=["convolution"]):
+        builtin = func(partial, weight, padding=1)
+    torch.testing.assert_close(out.to_local(), builtin.to_local())
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[5, 4], [8, 1]], ids=["uneven", "tiny-shard"])
+def test_conv_stack_under_cpu_autocast_bf16(domain_mesh, split):
+    # The second conv gets a bf16 activation and float32 parameters: torch's autocast casts
+    # them all to bf16, and so must the sharded run (shape checks included).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 3, 3, padding=1),
+                          nn.ConvTranspose2d(3, 2, 3, padding=1))
+    check_conformance(model, [torch.randn(1, 2, 9, 6)], ShardSpec(domain_mesh, [Shard(2)], split),
+                      autocast=torch.bfloat16)

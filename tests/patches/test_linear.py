@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,10 +55,30 @@ def test_builtin_leaves_partial_gradients_that_the_override_fixes(domain_mesh):
 
 
 @pytest.mark.multirank(2)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_partial_input_is_summed_first_with_a_replicate_weight_gradient(domain_mesh, rank, bias):
+    """GALE's attention projection: a Partial(sum) input is summed, then projected; same value as the built-in."""
+    torch.manual_seed(0)
+    full, weight = torch.randn(3, 8), torch.randn(2, 8)
+    b = torch.randn(2) if bias else None
+    share = torch.rand(full.shape)
+    local = full * share if rank == 0 else full * (1 - share)  # the two ranks' terms sum to full
+    partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+    out = F.linear(partial, weight, b)
+    torch.testing.assert_close(out.full_tensor(), F.linear(full, weight, b))
+    with physicsnemo_shardext.disabled(plugins=["linear"]):
+        builtin = F.linear(partial, weight, b)
+    torch.testing.assert_close(out.full_tensor(), builtin.full_tensor())
+    assert all(p.is_replicate() for p in out._spec.placements)
+    layer = torch.nn.Linear(8, 2, bias=bias)
+    reference = copy.deepcopy(layer)
+    reference(full).pow(2).sum().backward()
+    layer(partial).pow(2).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+
+
+@pytest.mark.multirank(2)
 def test_refusals_name_the_configuration(domain_mesh, rank):
-    partial = ShardTensor.from_local(torch.randn(3, 8), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        F.linear(partial, torch.randn(2, 8))
     xs = shard_tensor(torch.randn(1, 6, 8), domain_mesh, [Shard(1)], [3, 3])
     sharded_weight = shard_tensor(torch.randn(4, 8), domain_mesh, [Shard(0)], [2, 2])
     with pytest.raises(MissingShardPatch, match=r"linear: weight: expected a replicated tensor, got placements"):

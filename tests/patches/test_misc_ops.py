@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
@@ -195,7 +195,7 @@ def test_flatten_scales_the_rows_and_refuses_interleaving(domain_mesh):
     y = flatten_local(torch.Tensor.flatten, (), (x, 2), {})
     assert y._spec.sharding_shapes()[0] == (torch.Size([1, 2, 15]), torch.Size([1, 2, 6]))
     torch.testing.assert_close(y.full_tensor(), x.full_tensor().flatten(2))
-    with pytest.raises(MissingShardPatch, match="dim 2 is sharded but is not the first"):
+    with pytest.raises(MissingShardPatch, match=r"merges sharded dim 2 with dims \[1\]"):
         flatten_local(torch.flatten, (), (x, 1), {})  # rows would interleave with the unsharded dim 1
     with pytest.raises(MissingShardPatch, match="not multiples of 7"):
         unflatten_local(torch.unflatten, (), (y, 2, (3, 7)), {})
@@ -237,3 +237,89 @@ def test_reshape_is_an_override_that_delegates_to_the_builtin():
     for target in (torch.Tensor.reshape, torch.reshape, torch.Tensor.view):
         record = registry.provenance(target)
         assert record is not None and record.plugin.name == "misc_ops" and record.replaced is not None
+
+
+# -- the override rule: what the handlers do not handle goes to what they replaced -----------------
+def _partial(full: torch.Tensor, mesh, rank: int) -> ShardTensor:
+    """A Partial(sum) ShardTensor whose two ranks' terms add up to ``full``."""
+    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1))
+    local = full * share if rank == 0 else full * (1 - share)
+    return ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("op", ["cat", "stack"])
+def test_partial_inputs_of_cat_and_stack_are_delegated(domain_mesh, rank, op):
+    # GeoTransolver's context builder concatenates Partial(sum) tensors: DTensor's fallback does it right.
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    pa, pb = _partial(a, domain_mesh, rank), _partial(b, domain_mesh, rank)
+    func = getattr(torch, op)
+    out = func([pa, pb], dim=1)
+    torch.testing.assert_close(out.full_tensor(), func([a, b], dim=1))
+    with physicsnemo_shardext.disabled(plugins=["misc_ops"]):
+        baseline = func([pa, pb], dim=1)
+    assert tuple(out._spec.placements) == tuple(baseline._spec.placements)
+    torch.testing.assert_close(out.to_local(), baseline.to_local())
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[3, 3], [4, 2], [6, 0]], ids=["even", "uneven", "empty-shard"])
+def test_cat_with_a_sharded_plain_dtensor(domain_mesh, split):
+    # FLARE's positional buffer: a plain DTensor sharded DTensor's way (even chunks) next to the
+    # input. It is gathered and cut to the input's rows, not taken for a replicated tensor.
+    torch.manual_seed(0)
+    a, b = torch.randn(1, 6, 3), torch.randn(1, 6, 2)
+    ra, rb = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    expected = torch.cat([ra, rb], dim=2)
+    weight = torch.randn(expected.shape)
+    (expected * weight).sum().backward()
+    xs = shard_tensor(a, domain_mesh, [Shard(1)], split, requires_grad=True)
+    buffer = distribute_tensor(b, domain_mesh, [Shard(1)]).detach().requires_grad_(True)
+    out = torch.cat([xs, buffer], dim=2)
+    assert out._spec.sharding_shapes()[0] == xs._spec.sharding_shapes()[0][:0] + tuple(
+        torch.Size([1, n, 5]) for n in split)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    (out.full_tensor() * weight).sum().backward()
+    torch.testing.assert_close(xs.grad.full_tensor(), ra.grad)
+    torch.testing.assert_close(buffer.grad.full_tensor(), rb.grad)
+
+
+# -- several samples per domain group: merging the batch dim with a sharded dim -------------------
+DECODER_RESHAPES = {
+    # FNO's grid_to_points: (B, C, H, W) -> (B, H, W, C) -> (B*H*W, C)
+    "reshape": lambda x: x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]),
+    "torch_reshape": lambda x: torch.reshape(x.permute(0, 2, 3, 1), (-1, x.shape[1])),
+    "view": lambda x: x.permute(0, 2, 3, 1).contiguous().view(-1, x.shape[1]),
+    "flatten": lambda x: x.permute(0, 2, 3, 1).flatten(0, 2),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(DECODER_RESHAPES))
+def test_merging_a_batch_of_two_with_the_sharded_dim_is_refused(domain_mesh, name):
+    x = shard_tensor(torch.randn(2, 3, 7, 4), domain_mesh, [Shard(2)], [4, 3])
+    with pytest.raises(MissingShardPatch, match=r"merges sharded dim 1 with dims \[0\] in front of it \(sizes \(2,\)\)"):
+        DECODER_RESHAPES[name](x)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(DECODER_RESHAPES))
+def test_merging_a_batch_of_one_with_the_sharded_dim_matches(domain_mesh, name):
+    spec = ShardSpec(domain_mesh, [Shard(2)], [4, 3])
+    check_conformance(lambda x: DECODER_RESHAPES[name](x) * 1.5, [torch.randn(1, 3, 7, 4)], spec,
+                      expected_placements=[Shard(0)])
+
+
+@pytest.mark.multirank(2)
+def test_reshape_keeping_the_batch_dim_apart_still_works_with_two_samples(domain_mesh):
+    spec = ShardSpec(domain_mesh, [Shard(2)], [4, 3])
+    check_conformance(lambda x: x.permute(0, 2, 3, 1).reshape(2, -1, 3) * 1.5, [torch.randn(2, 3, 7, 4)], spec,
+                      expected_placements=[Shard(1)])
+
+
+@pytest.mark.multirank(2)
+def test_reshape_of_a_partial_input_is_delegated(domain_mesh, rank):
+    full = torch.randn(2, 3, 4)
+    out = _partial(full, domain_mesh, rank).reshape(6, 4)
+    torch.testing.assert_close(out.full_tensor(), full.reshape(6, 4))

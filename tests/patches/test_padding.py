@@ -143,7 +143,26 @@ def test_refusals(domain_mesh, rank):
     with pytest.raises(MissingShardPatch, match="negative pads.*circular"):
         F.pad(xs, (0, 0, -1, 2), mode="circular")
     partial = ShardTensor.from_local(torch.randn(1, 2, 3, 4), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        F.pad(partial, (1, 1), mode="constant")
+    with pytest.raises(MissingShardPatch, match=r"value=1.0\): input has a Partial placement"):
+        F.pad(partial, (1, 1), mode="constant", value=1.0)  # would add the 1 once per rank
+    with pytest.raises(MissingShardPatch, match=r"mode='circular'.*Partial"):
+        F.pad(partial, (1, 1), mode="circular")
     with pytest.raises(RuntimeError, match="wrapping around more than once"):
         F.pad(xs, (0, 0, 10, 0), mode="circular")  # torch's own error, from the global shape
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("mode", ["constant", "reflect", "replicate"])
+def test_partial_input_is_delegated_to_the_builtin(domain_mesh, rank, mode):
+    # Zero, mirrored or repeated padding is linear in the input: the built-in pads each rank's term.
+    torch.manual_seed(0)
+    full = torch.randn(2, 3, 5)
+    share = torch.rand(full.shape)
+    local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
+    partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+    out = F.pad(partial, (1, 2), mode=mode)
+    torch.testing.assert_close(out.full_tensor(), F.pad(full, (1, 2), mode=mode))
+    with physicsnemo_shardext.disabled(plugins=["padding"]):
+        builtin = F.pad(partial, (1, 2), mode=mode)
+    assert tuple(out._spec.placements) == tuple(builtin._spec.placements) == (Partial(),)
+    torch.testing.assert_close(out.to_local(), builtin.to_local())

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches.pointwise import POINTWISE_ACTIVATIONS, local_pointwise
+from physicsnemo_shardext.patches.pointwise import INPLACE_DELEGATED, POINTWISE_ACTIVATIONS, local_pointwise
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms
 
 ACTIVATIONS = {
@@ -77,23 +77,58 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
     assert fallback.forward.total_bytes >= patched.forward.total_bytes
 
 
+INPLACE = {
+    "silu": lambda y: F.silu(y, inplace=True),
+    "elu": lambda y: F.elu(y, 1.0, True),
+    "leaky_relu": lambda y: F.leaky_relu(y, 0.1, inplace=True),
+}
+
+
 @pytest.mark.multirank(2)
-def test_inplace_is_refused(domain_mesh):
+@pytest.mark.parametrize("name", sorted(INPLACE))
+@pytest.mark.parametrize("split", [[3, 2], [5, 0]], ids=["uneven", "empty-shard"])
+def test_inplace_is_delegated_to_the_fallback(domain_mesh, name, split):
+    # nn.SiLU(inplace=True) and friends: the DTensor fallback updates the local block in place, right.
+    assert getattr(F, name) in INPLACE_DELEGATED
+
+    def fn(x):
+        return INPLACE[name](x * 2.0) * 1.5
+
+    check_conformance(fn, [torch.randn(1, 2, 5, 3)], ShardSpec(domain_mesh, [Shard(2)], split))
+
+
+@pytest.mark.multirank(2)
+def test_inplace_refusals_name_the_configuration(domain_mesh, rank):
     from physicsnemo_shardext.testing import shard_tensor
 
-    xs = shard_tensor(torch.randn(1, 2, 5, 3), domain_mesh, [Shard(2)], [3, 2])
-    with pytest.raises(MissingShardPatch, match="inplace=True"):
-        F.silu(xs, inplace=True)
-    with pytest.raises(MissingShardPatch, match="inplace=True"):
-        F.elu(xs, 1.0, True)
+    xs = shard_tensor(torch.randn(1, 2, 5, 3), domain_mesh, [Shard(2)], [3, 2]) * 1.0
+    with pytest.raises(MissingShardPatch, match=r"hardswish\(inplace=True\) on a ShardTensor: .* no sharding rule"):
+        F.hardswish(xs, inplace=True)  # DTensor has no rule for aten.hardswish_backward
+    partial = ShardTensor.from_local(torch.randn(2, 3), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match=r"silu\(inplace=True\): input has a Partial placement"):
+        F.silu(partial, inplace=True)
 
 
 @pytest.mark.multirank(2)
-def test_partial_input_is_refused(domain_mesh, rank):
-    local = torch.full((2, 3), float(rank + 1))
+@pytest.mark.parametrize("name", ["gelu", "tanh", "hardswish"])
+def test_partial_input_is_summed_first(domain_mesh, rank, name):
+    torch.manual_seed(0)
+    full = torch.randn(2, 3)
+    share = torch.rand(full.shape)
+    local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
     partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        F.gelu(partial)
+    func = torch.tanh if name == "tanh" else getattr(F, name)
+    out = func(partial)
+    assert tuple(out._spec.placements) == (Replicate(),)
+    torch.testing.assert_close(out.to_local(), func(full))
+    with physicsnemo_shardext.disabled(plugins=["pointwise"]):
+        baseline = func(partial)  # the DTensor fallback: same forward
+    torch.testing.assert_close(out.full_tensor(), baseline.full_tensor())
+    reference = full.clone().requires_grad_(True)
+    func(reference).sum().backward()
+    out.to_local().sum().backward()
+    # d/d(term) of f(sum of terms) is f'(sum): each rank's term gets the full gradient.
+    torch.testing.assert_close(local.grad, reference.grad)
 
 
 @pytest.mark.multirank(4)

@@ -188,3 +188,18 @@ def test_partial_input_is_refused(domain_mesh, rank):
     for fn in (lambda t: F.max_pool2d(t, 3, 1), lambda t: F.adaptive_avg_pool2d(t, 1)):
         with pytest.raises(MissingShardPatch, match="Partial"):
             fn(partial)
+
+
+@pytest.mark.multirank(2)
+def test_partial_input_of_avg_pool_is_delegated_to_the_builtin(domain_mesh, rank):
+    # An average is linear in the input: the built-in pools each rank's term of the Partial(sum).
+    torch.manual_seed(0)
+    full = torch.randn(1, 2, 4, 6)
+    share = torch.rand(full.shape)
+    local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
+    partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+    out = F.avg_pool2d(partial, 2)
+    torch.testing.assert_close(out.full_tensor(), F.avg_pool2d(full, 2))
+    with physicsnemo_shardext.disabled(plugins=["pooling"]):
+        builtin = F.avg_pool2d(partial, 2)
+    torch.testing.assert_close(out.to_local(), builtin.to_local())

@@ -179,6 +179,21 @@ def test_unsupported_configurations_are_refused(domain_mesh):
     with pytest.raises(MissingShardPatch, match="antialias=True"):
         F.interpolate(xs, size=(4, 4), mode="bilinear", antialias=True)
     partial = ShardTensor.from_local(torch.randn(1, 4, 4, 4), domain_mesh, [Partial()], sharding_shapes={})
-    for fn in (lambda t: F.interpolate(t, scale_factor=2), lambda t: F.pixel_shuffle(t, 2)):
-        with pytest.raises(MissingShardPatch, match="Partial"):
-            fn(partial)
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        F.pixel_shuffle(partial, 2)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_partial_input_of_interpolate_is_delegated_to_the_builtin(domain_mesh, rank, mode):
+    # Interpolation is linear in the input: the built-in resizes each rank's term of the Partial(sum).
+    torch.manual_seed(0)
+    full = torch.randn(1, 2, 4, 5)
+    share = torch.rand(full.shape)
+    local = full * share if rank == 0 else full * (1 - share)
+    partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+    out = F.interpolate(partial, scale_factor=2, mode=mode)
+    torch.testing.assert_close(out.full_tensor(), F.interpolate(full, scale_factor=2, mode=mode))
+    with physicsnemo_shardext.disabled(plugins=["resampling"]):
+        builtin = F.interpolate(partial, scale_factor=2, mode=mode)
+    torch.testing.assert_close(out.to_local(), builtin.to_local())

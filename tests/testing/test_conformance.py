@@ -148,3 +148,92 @@ def test_wrong_buffer_is_caught(domain_mesh):
         check_conformance(_LocalSumTracker(), [x], ShardSpec(domain_mesh, [Shard(1)], [5, 4]),
                           params="plain", count_comms=False)
     assert {m.what for m in info.value.mismatches} == {"buffer 'seen'"}
+
+
+# -- autocast -------------------------------------------------------------------------------
+class _DoubleGrad(torch.autograd.Function):
+    """Identity forward, twice the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def _linear_on_shards(x, weight, transform):
+    from physicsnemo.domain_parallel import ShardTensor
+
+    y = F.linear(transform(x.to_local()), _local(weight))
+    shapes = {m: [tuple(s[:-1]) + (y.shape[-1],) for s in shp] for m, shp in x._spec.sharding_shapes().items()}
+    return ShardTensor.from_local(y, x.device_mesh, x.placements, sharding_shapes=shapes)
+
+
+def _doubled_input_grad_linear(func, types, args, kwargs):
+    """Right forward (autocast applies to the local F.linear), twice the input gradient."""
+    return _linear_on_shards(args[0], args[1], _DoubleGrad.apply)
+
+
+def _full_precision_linear(func, types, args, kwargs):
+    """Right values, but computed outside autocast: float32 where single-process gives bfloat16."""
+    with torch.autocast("cpu", enabled=False):
+        return _linear_on_shards(args[0], args[1], lambda t: t)
+
+
+@pytest.mark.multirank(2)
+def test_autocast_option_runs_both_forwards_under_autocast(domain_mesh):
+    x = torch.randn(2, 17, 8)
+    spec = ShardSpec(domain_mesh, [Shard(1)], [9, 8])
+    report = check_conformance(torch.nn.Linear(8, 4), [x], spec, autocast=torch.bfloat16)
+    assert report.autocast == ("cpu", torch.bfloat16)
+    assert "under torch.autocast('cpu', dtype=torch.bfloat16)" in str(report)
+    compared = set(report.max_abs_errors)
+    assert set(report.autocast_reference_errors) == set(report.autocast_atols) == compared
+    # F.linear autocasts on CPU: the reference has a real bf16 error, the tolerance follows it ...
+    error = report.autocast_reference_errors["output[0]"]
+    assert error > 1e-4
+    assert report.autocast_atols["output[0]"] >= 4.0 * error  # 4 x max(e, bf16 eps x max|reference|)
+    # ... while tanh has no CPU autocast rule: no reference error, the plain tolerance.
+    report = check_conformance(torch.tanh, [x], spec, autocast=("cpu", torch.bfloat16), count_comms=False)
+    assert report.autocast_reference_errors == {"output[0]": 0.0, "gradient of input[0]": 0.0}
+    assert set(report.autocast_atols.values()) == {1e-5}
+
+
+@pytest.mark.multirank(2)
+def test_autocast_option_is_validated(domain_mesh):
+    spec = ShardSpec(domain_mesh, [Shard(1)], [9, 8])
+    with pytest.raises(ValueError, match="mesh's 'cpu'"):
+        check_conformance(torch.tanh, [torch.randn(2, 17)], spec, autocast=("cuda", torch.float16))
+    with pytest.raises(TypeError, match="autocast must be"):
+        check_conformance(torch.tanh, [torch.randn(2, 17)], spec, autocast="bf16")
+
+
+@pytest.mark.multirank(2)
+def test_doubled_gradient_under_autocast_is_caught(domain_mesh, registry_sandbox):
+    from physicsnemo.domain_parallel import ShardTensor
+
+    weight = torch.randn(4, 8)  # a constant: only the input's gradient is at stake
+    x = torch.randn(2, 17, 8)
+    spec = ShardSpec(domain_mesh, [Shard(1)], [9, 8])
+    ShardTensor.register_function_handler(F.linear, _doubled_input_grad_linear)
+    with pytest.raises(ConformanceError) as info:
+        check_conformance(lambda t: F.linear(t, weight), [x], spec, autocast=torch.bfloat16, count_comms=False)
+    assert {m.what for m in info.value.mismatches} == {"gradient of input[0]"}  # the forward is right
+    message = str(info.value)
+    assert "forward under torch.autocast('cpu', dtype=torch.bfloat16)" in message
+    assert "autocast reference vs fp32 error" in message
+
+
+@pytest.mark.multirank(2)
+def test_handler_ignoring_autocast_is_caught_by_dtype(domain_mesh, registry_sandbox):
+    from physicsnemo.domain_parallel import ShardTensor
+
+    weight = torch.randn(4, 8)
+    spec = ShardSpec(domain_mesh, [Shard(1)], [9, 8])
+    ShardTensor.register_function_handler(F.linear, _full_precision_linear)
+    fn = lambda t: F.linear(t, weight)  # noqa: E731
+    check_conformance(fn, [torch.randn(2, 17, 8)], spec, count_comms=False)  # right without autocast
+    with pytest.raises(ConformanceError, match=r"output\[0\]: dtype torch.float32 != reference torch.bfloat16"):
+        check_conformance(fn, [torch.randn(2, 17, 8)], spec, autocast=torch.bfloat16, count_comms=False)

@@ -58,3 +58,17 @@ def test_counting_collectives(rank):
 
 
 # --8<-- [end:counting]
+
+
+# --8<-- [start:autocast]
+@pytest.mark.multirank(2)
+def test_linear_conforms_under_autocast(domain_mesh):
+    layer = torch.nn.Linear(6, 4)
+    x = torch.randn(2, 17, 6)
+    report = check_conformance(layer, [x], ShardSpec(domain_mesh, [Shard(1)], [9, 8]), autocast=torch.bfloat16)
+    assert report.autocast == (domain_mesh.device_type, torch.bfloat16)  # "cpu" here, "cuda" on a CUDA mesh
+    # atol per tensor = max(atol, 4 * max(e, eps * max|reference|)), e = reference bf16-vs-fp32 error
+    print(report.autocast_reference_errors["output[0]"], report.autocast_atols["output[0]"])
+
+
+# --8<-- [end:autocast]
