@@ -414,10 +414,14 @@ def l1_loss_keeping_weight(input: Any, target: Any, size_average: Any = None, re
 
         F.l1_loss(x_sharded, target, weight=w)   # reaches the losses plugin with weight=w
     """
-    if weight is not None and torch.overrides.has_torch_function_variadic(input, target, weight):
+    # Dispatched here, with torch's own function as ``func``: inside it, the name ``l1_loss``
+    # is this wrapper now, which no handler table knows.
+    relevant = (input, target) if weight is None else (input, target, weight)
+    if torch.overrides.has_torch_function(relevant):
+        extra = {} if weight is None else {"weight": weight}
         return torch.overrides.handle_torch_function(
-            _ORIGINAL_L1_LOSS, (input, target, weight), input, target,
-            size_average=size_average, reduce=reduce, reduction=reduction, weight=weight,
+            _ORIGINAL_L1_LOSS, relevant, input, target,
+            size_average=size_average, reduce=reduce, reduction=reduction, **extra,
         )
     return _ORIGINAL_L1_LOSS(input, target, size_average, reduce, reduction, weight=weight)
 

@@ -339,3 +339,16 @@ def test_without_the_guard_the_fallback_scales_gradients_by_the_mesh_size(domain
     xs.grad = None
     F.mse_loss(xs, shard_tensor(target, domain_mesh, [Shard(2)], [8, 8])).backward()  # the plugin's handler
     torch.testing.assert_close(xs.grad.full_tensor(), reference.grad)
+
+
+def test_l1_loss_is_wrapped_only_where_torch_drops_its_weight():
+    from physicsnemo_shardext.patches import losses
+
+    if losses.l1_loss_drops_weight():
+        assert F.l1_loss is losses.l1_loss_keeping_weight
+    with physicsnemo_shardext.disabled(plugins=["losses"]):
+        assert F.l1_loss is losses._ORIGINAL_L1_LOSS
+    # The wrapper is transparent on plain tensors, weight or not.
+    x, t, w = torch.randn(3, 4), torch.randn(3, 4), torch.rand(3, 4)
+    torch.testing.assert_close(losses.l1_loss_keeping_weight(x, t, weight=w), (w * (x - t).abs()).sum() / w.sum())
+    torch.testing.assert_close(losses.l1_loss_keeping_weight(x, t), (x - t).abs().mean())
