@@ -337,23 +337,16 @@ def sharded_norm(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any
     if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements) or kwargs.get("out") is not None:
         return delegate(func, types, args, kwargs)
     p = _vector_order(func, order, dim, x.ndim)
-    reduced = set(range(x.ndim)) if dim is None else {
-        int(d) % max(x.ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)
-    }
-    layouts = sharded_dims(x)
-    if p is None or not math.isfinite(p) or p <= 0 or not reduced & set(layouts):
+    reduced = _reduced_dims(dim, x.ndim)
+    if p is None or not math.isfinite(p) or p <= 0 or not reduced & set(sharded_dims(x)):
         return delegate(func, types, args, kwargs)
     local = x.to_local() if dtype is None else x.to_local().to(dtype)
     powered = local.abs() ** p if p != 2.0 else (local.abs() * local.abs())
-    partial = powered.sum(dim=tuple(sorted(reduced)), keepdim=True)
-    reduce_over = sorted(layouts[d].mesh_dim for d in reduced & set(layouts))
-    total = sum_to_replicated(partial, x._spec.mesh, reduce_over)
+    total = _global_sum(powered, x, reduced)
     nonzero = total > 0
     # A zero norm has a zero gradient, as in torch (the root's derivative is infinite there).
     result = torch.where(nonzero, torch.where(nonzero, total, 1.0) ** (1.0 / p), 0.0).to(total.dtype)
-    if not keepdim:
-        result = result.squeeze(tuple(sorted(reduced))) if reduced else result
-    return _norm_output(result, x, reduced, keepdim)
+    return _finish(result, x, reduced, keepdim)
 
 
 def _norm_output(local: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim: bool) -> ShardTensor:
@@ -369,8 +362,6 @@ def _norm_output(local: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim
             d = placement.dim % x.ndim
             placements.append(Shard(new_dim(d)))
             sizes[new_dim(d)] = layouts[d].sizes
-        elif isinstance(placement, Shard) and keepdim:
-            placements.append(Replicate())
         else:
             placements.append(Replicate() if isinstance(placement, Shard) else placement)
     return build_shard_tensor(local, x._spec.mesh, placements, sizes)
