@@ -48,10 +48,14 @@ Output placement (one all-to-all per sharded transform dim, none back):
   otherwise a balanced split (sizes differ by at most one, larger first).
   The record is kept per process and is the same on every rank.
 
-Refused (``MissingShardPatch``): ``Partial`` inputs
-(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
-``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), ``out=``, and a sharded
-transform dim with no other dim to move the shard to (e.g. a 1-D tensor).
+Delegated (to the DTensor fallback, which gathers the field; forward and gradients
+checked on 2 ranks against a single process): ``Partial`` inputs (a transform is
+linear, the result stays ``Partial(sum)``), ``out=`` a plain tensor, a sharded
+tensor that is not the input, and a sharded transform dim with no other dim to
+move the shard to (a 1-D signal; even and uneven splits, result ``Replicate``).
+
+Refused (``MissingShardPatch``): nothing of its own (``out=`` a sharded buffer
+is delegated but only ``out=`` a plain tensor was measured).
 
 Example (2 ranks, x of shape (1, 3, 16, 16) sharded [Shard(2)])::
 
@@ -70,6 +74,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import delegate
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.transpose import balanced_sizes, move_shard
 
@@ -102,8 +107,6 @@ def _bind(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, Any]:
     arity = FFT_FUNCTIONS[name][1]
     size_key = "n" if arity == "1" else "s"
     default_dim: Any = -1 if arity == "1" else ((-2, -1) if arity == "2" else None)
-    if "out" in kwargs and kwargs["out"] is not None:
-        raise MissingShardPatch(f"torch.fft.{name}(out=...) on a ShardTensor is not supported")
     names = ["input", size_key, "dim", "norm"]
     bound = dict(zip(names, args))
     for key in names:
@@ -188,7 +191,8 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
     spec = x._spec
     if any(p.is_partial() for p in spec.placements):
         raise MissingShardPatch(
-            f"torch.fft.{call.name}: input has a Partial placement {tuple(spec.placements)}; reduce it first"
+            f"torch.fft.{call.name}: input has a Partial placement {tuple(spec.placements)}; "
+            "distributed_fft delegates those to the DTensor fallback"
         )
     layouts = sharded_dims(x)
     input_sharded = set(layouts)
@@ -244,7 +248,7 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
         d = sharded_todo[0] if kind in ("inv", "c2r") else sharded_todo[-1]
         partner = _partner(d, done, todo, layouts, local.shape, dims)
         if partner is None:
-            raise MissingShardPatch(
+            raise _NoFreeDim(
                 f"torch.fft.{call.name} over dims {call.dims} of a tensor of shape {tuple(x.shape)} with "
                 f"placements {tuple(spec.placements)}: dim {d} is sharded and no other dim is free to take "
                 "the shard (every other dim is sharded or absent)"
@@ -300,19 +304,33 @@ def _partner(
     return pending[-1] if pending else None
 
 
+class _NoFreeDim(MissingShardPatch):
+    """A sharded transform dim with no other dim to take its shard (``distributed_fft`` delegates it)."""
+
+
 def distributed_fft(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """Function-level handler for every ``torch.fft`` transform of :data:`FFT_FUNCTIONS`.
+
+    Configurations this handler does not transpose go to the DTensor fallback
+    (``delegate``), which gathers the field and is right for them (checked on 2 ranks,
+    forward and gradients): a ``Partial`` input, ``out=`` (a plain tensor), a sharded tensor
+    that is not the input, a sharded transform dim with no free dim (a 1-D signal).
 
     Example::
 
         patches.function(torch.fft.rfft2, distributed_fft)
     """
     name = func.__name__.removeprefix("fft_")  # torch.fft.rfft2.__name__ == "fft_rfft2"
+    if kwargs.get("out") is not None:
+        return delegate(func, types, args, kwargs)  # the fallback writes the full result into it
     tensor, size_arg, dim, norm = _bind(name, args, kwargs)
-    if not isinstance(tensor, ShardTensor):
-        raise MissingShardPatch(f"torch.fft.{name}: the sharded tensor must be the input")
+    if not isinstance(tensor, ShardTensor) or any(p.is_partial() for p in tensor._spec.placements):
+        return delegate(func, types, args, kwargs)  # a transform is linear: the fallback is right
     call = parse_fft_call(name, tensor.ndim, size_arg, dim, norm)
-    return sharded_fft(tensor, call)
+    try:
+        return sharded_fft(tensor, call)
+    except _NoFreeDim:
+        return delegate(func, types, args, kwargs)  # nothing to transpose onto: the fallback gathers
 
 
 @hookimpl

@@ -23,13 +23,16 @@ emptying thin shards), and each rank needs a halo of ``n`` rows *after* its
 shard. Example: sizes 5/2, ``n=1`` -> output sizes 5/1; sizes 5/1, ``n=2``
 -> 4/0.
 
-Refused (``MissingShardPatch``): ``Partial`` placements
-(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
-``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)); coordinate tensors
-that are ShardTensors or require grad; ``prepend``/``append`` that are
-ShardTensors (pass plain tensors: they are replicated on every rank) or plain
-tensors that require grad while ShardTensor's promotion of plain tensors is
-disabled; non-int dims.
+Delegated (to the DTensor fallback, which gathers the input; forward and
+gradients checked on 2 ranks against a single process): ``Partial`` inputs
+(linear stencils; the result stays ``Partial(sum)``), plain coordinate tensors
+that require grad, and ``prepend``/``append`` given as ShardTensors (even and
+uneven splits).
+
+Refused (``MissingShardPatch``; not yet measured against the fallback): coordinate
+tensors that are ShardTensors/DTensors, plain ``prepend``/``append`` that require
+grad while ShardTensor's promotion of plain tensors is disabled, spacing of
+another type, non-int dims.
 
 Example (2 ranks, ``x`` of shape (4, 17) sharded ``Shard(1)`` 10/7)::
 
@@ -48,7 +51,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.targets import describe_target
 
@@ -61,6 +64,18 @@ def _local_block(full: torch.Tensor, layouts: dict[int, DimLayout], skip: int) -
         if d != skip:
             full = full.narrow(d, layout.start, layout.local_size)
     return full
+
+
+def _is_partial(x: Any) -> bool:
+    return isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements)
+
+
+def _has_grad_coordinates(spacing: Any) -> bool:
+    """Plain coordinate tensors that require grad: the DTensor fallback differentiates them right."""
+    items = spacing if isinstance(spacing, (list, tuple)) else [spacing]
+    return torch.is_grad_enabled() and any(
+        isinstance(s, torch.Tensor) and not isinstance(s, DTensor) and s.requires_grad for s in items
+    )
 
 
 # -- torch.gradient ------------------------------------------------------------------------
@@ -130,6 +145,8 @@ def sharded_gradient(func: Callable, types: tuple, args: tuple, kwargs: dict) ->
     kwargs = dict(kwargs)
     if len(args) != 1:
         raise TypeError(f"{describe_target(func)}: takes the input tensor and keyword arguments only")
+    if _is_partial(args[0]) or _has_grad_coordinates(kwargs.get("spacing")):
+        return delegate(func, types, args, kwargs)
     x = require_shard_input(func, args[0])
     spacing, dim, edge_order = kwargs.pop("spacing", None), kwargs.pop("dim", None), kwargs.pop("edge_order", 1)
     if kwargs:
@@ -240,6 +257,8 @@ def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     bound = {name: default for name, default in names}
     bound.update(zip((nm for nm, _ in names), args[1:]))
     bound.update(kwargs)
+    if _is_partial(args[0]) or any(isinstance(bound[k], ShardTensor) for k in ("prepend", "append")):
+        return delegate(func, types, args, kwargs)
     x = require_shard_input(func, args[0])
     n, dim = int(bound["n"]), normalize_dim(func, bound["dim"], x.ndim)
     layouts = sharded_dims(x)

@@ -46,17 +46,27 @@ Delegated (:func:`~physicsnemo_shardext.primitives.delegate`: the built-in for
 reshape/view, else the DTensor fallback), checked on 2 ranks: ``Partial`` inputs of
 ``cat`` and ``stack`` (GeoTransolver's context builder), of reshape/view, and of
 flatten/unflatten/complex views (as before this plugin); reshapes that merge no
-sharded dim with a dim in front of it.
+sharded dim with a dim in front of it; ``cat`` along a sharded dim (the fallback
+gathers it: ``Replicate`` output, values and gradients right on uneven shards);
+``view_as_complex`` with its last dim sharded (the fallback gathers it: ``Replicate``);
+``stack`` of inputs of different shapes (torch's own error comes back); ``cat`` and
+``stack`` of differently laid out inputs (``Shard`` of another dim, a ``Replicate``
+ShardTensor, for ``stack`` a plain tensor) whose shards all hold DTensor's own
+``torch.chunk`` rows, none empty (the fallback redistributes them right: values and
+gradients equal single-process).
 
 Refused (``MissingShardPatch``): a reshape/view/flatten that merges a sharded dim
 with dims in front of it holding more than one row (a batch of 2 samples per domain
 group merged with the sharded H, as FNO's decoder does: each rank's rows would
 interleave in the merged dim, which the built-in labels ``Shard`` anyway); ``Partial``
-inputs of prelu (DTensor has no rule for ``aten._prelu_kernel_backward``); ``cat``
-along a sharded dim or of tensors sharded differently (or of a replicated input of the
-wrong size), ``stack`` of differently sharded tensors (the fallback assumes even
-chunks: wrong or failing on uneven shards); ``unflatten`` cutting across a rank
-boundary, a sharded prelu weight, ``view_as_complex`` with its last dim sharded.
+inputs of prelu, a sharded prelu weight, a plain prelu input with a ShardTensor weight
+(the fallback's forward is right but its backward fails: DTensor has no rule for
+``aten._prelu_kernel_backward``); ``cat`` and ``stack`` of differently laid out
+inputs when a shard is uneven or empty (the fallback assumes ``torch.chunk`` rows: a
+size mismatch, e.g. "Sizes of tensors must match except in dimension 1", or the
+``uneven_redistribute`` guard; checked on 2 ranks); a replicated ``cat`` input of the
+wrong size (torch rejects it too); ``unflatten`` cutting across a rank boundary (the
+fallback fails: "Cannot unflatten unevenly sharded tensor" even on 6/6 shards).
 
 Example (2 ranks, x of shape (1, 4, 7, 3) split 5 + 2 on dim 2)::
 
@@ -141,7 +151,7 @@ def complex_view_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Sh
 
     Placements and per-rank row counts are unchanged (``view_as_real`` appends an unsharded
     dim of 2, ``view_as_complex`` drops it); ``view_as_complex`` of a tensor sharded on its
-    last dim is refused; ``Partial`` inputs take the DTensor fallback, as before.
+    last dim goes to the DTensor fallback (which gathers it); ``Partial`` inputs too, as before.
 
     Example::
 
@@ -152,7 +162,7 @@ def complex_view_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Sh
         return fallback(func, args, kwargs)  # as before this plugin
     rows = _row_counts(x)
     if func is torch.view_as_complex and (x.ndim - 1) in rows:
-        raise MissingShardPatch("torch.view_as_complex: the last (real/imag) dim is sharded")
+        return fallback(func, args, kwargs)  # gathers the last dim: Replicate, right (checked on 2 ranks)
     return build_shard_tensor(func(x.to_local()), x._spec.mesh, x._spec.placements, rows)
 
 
@@ -354,17 +364,19 @@ def _identical_shard_inputs(func: Any, args: tuple, kwargs: dict, verb: str) -> 
     dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
     name = describe_target(func)
     if not tensors or not all(isinstance(t, ShardTensor) for t in tensors):
-        raise MissingShardPatch(f"{name}: every input must be a ShardTensor (got {[type(t).__name__ for t in tensors]})")
+        raise MissingShardPatch(
+            f"{name}: every input must be a ShardTensor (got {[type(t).__name__ for t in tensors]}; the DTensor "
+            "fallback assumes even chunks and fails on uneven shards)"
+        )
     first = tensors[0]
-    placements = tuple(first._spec.placements)
-    if any(p.is_partial() for p in placements):
-        raise MissingShardPatch(f"{name}: inputs with a Partial placement {placements}")
+    placements = tuple(first._spec.placements)  # Partial inputs never get here: cat/stack delegate them
     rows = _row_counts(first)
     for t in tensors[1:]:
         if t._spec.mesh != first._spec.mesh or tuple(t._spec.placements) != placements or _row_counts(t) != rows:
             raise MissingShardPatch(
                 f"{name}: inputs sharded differently ({tuple(t._spec.placements)} rows {_row_counts(t)} vs "
-                f"{placements} rows {rows}); {verb} needs identical shards"
+                f"{placements} rows {rows}); {verb} needs identical shards (the DTensor fallback assumes even "
+                "chunks and fails on uneven shards)"
             )
     return tensors, dim
 
@@ -380,6 +392,8 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
     dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
     if any(_is_partial(t) for t in tensors):
         # DTensor's cat of Partial(sum) operands is right (GeoTransolver's context builder).
+        return delegate(func, types, args, kwargs)
+    if _delegate_differently_sharded(tensors):
         return delegate(func, types, args, kwargs)
     reference = next((t for t in tensors if isinstance(t, ShardTensor)), None)
     if reference is not None and any(isinstance(t, torch.Tensor) and not isinstance(t, ShardTensor) for t in tensors):
@@ -398,11 +412,46 @@ def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor
     dim %= first.ndim
     placements = tuple(first._spec.placements)
     if any(isinstance(p, Shard) and p.dim % first.ndim == dim for p in placements):
-        raise MissingShardPatch(
-            f"{describe_target(func)}: concatenation along sharded dim {dim} (placements {placements})"
-        )
+        # The fallback gathers the sharded dim: Replicate output, right on uneven shards (checked on 2 ranks).
+        return delegate(func, types, args, kwargs)
     local = torch.cat([t.to_local() for t in tensors], dim=dim)
     return from_local_like(local, first)
+
+
+def _delegate_differently_sharded(tensors: Sequence[Any], plain_too: bool = False) -> bool:
+    """Whether a cat/stack of differently laid out inputs goes to the DTensor fallback.
+
+    The fallback assumes DTensor's even ``torch.chunk`` rows; with them it is right (checked
+    on 2 ranks, values and gradients: ``Shard`` next to another ``Shard`` dim, next to a
+    ``Replicate`` ShardTensor, or, for ``stack``, next to a plain tensor). With uneven
+    (or empty) shards it fails (a size mismatch, or the ``uneven_redistribute`` guard), so
+    those stay with the handler, which refuses them. ``plain_too``: a plain tensor among
+    the inputs counts as a different layout (``stack``; ``cat`` cuts it to the rows itself).
+    """
+    shards = [t for t in tensors if isinstance(t, ShardTensor)]
+    if not shards or len(shards) == len(tensors) and _identically_sharded(shards):
+        return False
+    if len(shards) < len(tensors) and not plain_too and _identically_sharded(shards):
+        return False
+    return all(_dtensor_chunks(t) for t in shards)
+
+
+def _identically_sharded(tensors: Sequence[ShardTensor]) -> bool:
+    first = tensors[0]
+    return all(
+        t._spec.mesh == first._spec.mesh and tuple(t._spec.placements) == tuple(first._spec.placements)
+        and _row_counts(t) == _row_counts(first)
+        for t in tensors[1:]
+    )
+
+
+def _dtensor_chunks(t: ShardTensor) -> bool:
+    """Whether every sharded dim of ``t`` holds ``torch.chunk``'s rows, none empty (DTensor's own layout)."""
+    for layout in sharded_dims(t).values():
+        chunks = [len(c) for c in torch.arange(layout.total).chunk(len(layout.sizes))]
+        if list(layout.sizes) != chunks:  # fewer chunks than ranks: an empty shard
+            return False
+    return True
 
 
 def _is_partial(t: Any) -> bool:
@@ -439,12 +488,15 @@ def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
 
         o2 = torch.stack([re, im], dim=-1)   # both split 5/2 on dim 2 -> split 5/2 on dim 2
     """
-    if any(_is_partial(t) for t in kwargs.get("tensors", args[0] if args else ())):
+    tensors = list(kwargs.get("tensors", args[0] if args else ()))
+    if any(_is_partial(t) for t in tensors):
         return delegate(func, types, args, kwargs)  # DTensor stacks Partial(sum) operands right
+    if _delegate_differently_sharded(tensors, plain_too=True):
+        return delegate(func, types, args, kwargs)
     tensors, dim = _identical_shard_inputs(func, args, kwargs, "stacking")
     first = tensors[0]
     if any(t.shape != first.shape for t in tensors[1:]):
-        raise MissingShardPatch(f"{describe_target(func)}: inputs of different shapes cannot be stacked")
+        return delegate(func, types, args, kwargs)  # torch's own error: stack expects each tensor to be equal size
     dim %= first.ndim + 1
     new_placements = [Shard(p.dim % first.ndim + (p.dim % first.ndim >= dim)) if isinstance(p, Shard) else p
                       for p in first._spec.placements]
@@ -464,10 +516,16 @@ def prelu_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
     weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
     name = describe_target(func)
     if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{name}: the input must be the ShardTensor (weight {type(weight).__name__})")
+        raise MissingShardPatch(
+            f"{name}: the input must be the ShardTensor (weight {type(weight).__name__}; the DTensor fallback's "
+            "backward fails: no rule for aten._prelu_kernel_backward)"
+        )
     placements = tuple(x._spec.placements)
     if any(p.is_partial() for p in placements):
-        raise MissingShardPatch(f"{name}: input has a Partial placement {placements}")
+        raise MissingShardPatch(
+            f"{name}: input has a Partial placement {placements} (the DTensor fallback sums it right in the "
+            "forward, but its backward fails: no rule for aten._prelu_kernel_backward)"
+        )
     w = replicated_local(weight, f"{name}: weight")
     shard_mesh_dims = tuple(i for i, p in enumerate(placements) if isinstance(p, Shard))
     w = sum_grad_over(w, x._spec.mesh, shard_mesh_dims)

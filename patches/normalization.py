@@ -18,11 +18,31 @@ normalization itself is local, so the output keeps the input's layout.
   only (wrong on a ddp x domain or 2-D spatial mesh); 1-D meshes go the same way.
 
 Parameters (Replicate) get gradients all-reduced over every mesh dim that shards
-the input, so they come back Replicate and complete. ``Partial`` inputs
-(kept: for ``group_norm`` the built-in fails outright; otherwise the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
-``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), sharded
-channel dims (batch/instance/group norm) and a tensor dim sharded by two mesh dims
-are refused with :class:`~physicsnemo_shardext.MissingShardPatch`.
+the input, so they come back Replicate and complete.
+
+Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
+fallback: PhysicsNeMo has no handler for these four), checked on 2 ranks against
+single-process (values, input and parameter gradients):
+
+* ``Partial`` inputs of batch (training and eval), instance, layer and RMS norm: the
+  fallback sums the terms first (output ``Replicate``), and every term gets the
+  whole gradient;
+* calls torch itself rejects (batch norm of rank < 2, instance norm of rank < 3, eval /
+  ``use_input_stats=False`` without running statistics): the delegate raises torch's error.
+
+Refused (:class:`~physicsnemo_shardext.MissingShardPatch`):
+
+* ``group_norm`` of a ``Partial`` input (the built-in fails: ``'Partial' object has no
+  attribute 'dim'``), of rank < 2 (the built-in fails with an IndexError), with the
+  channel dim sharded (the built-in refuses it too);
+* ``batch_norm`` with the channel dim sharded (the fallback is wrong with affine parameters:
+  it applies the whole replicated weight/bias to each rank's channels; checked on 2 ranks,
+  ``BatchNorm2d(4)``: split 3/1 output off by 1e7, split 2/2 running stats off by 2e-2,
+  split 4/0 the ranks hang);
+* ``instance_norm`` with the channel dim sharded (the fallback's forward is right but
+  its backward fails: "view size is not compatible with input tensor's size and stride");
+* a tensor dim sharded by two mesh dims (PhysicsNeMo 2.2's ShardTensor cannot hold that
+  layout on CPU ranks: ``from_dtensor`` rejects its local shape, checked on a 2x2 mesh).
 
 Example (2 ranks, H sharded unevenly)::
 
@@ -44,6 +64,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import delegate
 from physicsnemo_shardext.primitives.replicated import replicated_local, sum_grad_over
 
 __all__ = ["NORMALIZATION_TARGETS"]
@@ -64,8 +85,11 @@ class _Layout:
         self.ndim = x.dim()
         self.shard_of: dict[int, int] = {}  # mesh dim -> tensor dim
         for mesh_dim, p in enumerate(x.placements):
-            if isinstance(p, Partial):
-                raise MissingShardPatch(f"{op}: Partial input placements {tuple(x.placements)} are not supported")
+            if isinstance(p, Partial):  # group_norm only: the others delegate Partial inputs
+                raise MissingShardPatch(
+                    f"{op}: Partial input placements {tuple(x.placements)} are not supported "
+                    "(PhysicsNeMo's built-in fails on them too)"
+                )
             if isinstance(p, Shard):
                 dim = p.dim % self.ndim
                 if dim in self.shard_of.values():
@@ -158,7 +182,10 @@ def _bind(func: Callable, signature_of: Callable, args: tuple, kwargs: dict) -> 
 def _refuse_sharded(layout: _Layout, dims: Sequence[int], op: str, what: str) -> None:
     for d in dims:
         if d % layout.ndim in layout.shard_of.values():
-            raise MissingShardPatch(f"{op}: sharding the {what} (tensor dim {d % layout.ndim}) is not supported")
+            raise MissingShardPatch(
+                f"{op}: sharding the {what} (tensor dim {d % layout.ndim}) is not supported "
+                "(the DTensor fallback is wrong or fails there: checked on 2 ranks)"
+            )
 
 
 def _channel_view(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
@@ -206,9 +233,23 @@ def _channel_norm_call(
     return a, x, layout, _param(a["weight"], layout, op, "weight"), _param(a["bias"], layout, op, "bias")
 
 
+def _is_partial(x: Any) -> bool:
+    return isinstance(x, (ShardTensor, DTensor)) and any(p.is_partial() for p in x.placements)
+
+
+def _no_stats(a: dict) -> bool:
+    return a["running_mean"] is None or a["running_var"] is None
+
+
 def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
     """Batch norm with global statistics over batch and sharded spatial dims (O(C) communication)."""
     op = "batch_norm"
+    a = _bind(func, F.batch_norm, args, kwargs)
+    x = a["input"]
+    if _is_partial(x) or x.dim() < 2 or (not a["training"] and _no_stats(a)):
+        # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors
+        # (rank < 2, eval without running statistics) come back.
+        return delegate(func, types, args, kwargs)
     a, x, layout, weight, bias = _channel_norm_call(func, F.batch_norm, args, kwargs, op, min_rank=2)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = x.to_local(), a["eps"], x.dim()
@@ -232,6 +273,11 @@ def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
 def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
     """Instance norm: per-sample per-channel statistics over sharded spatial dims (O(N*C))."""
     op = "instance_norm"
+    a = _bind(func, F.instance_norm, args, kwargs)
+    x = a["input"]
+    if _is_partial(x) or x.dim() < 3 or (not a["use_input_stats"] and _no_stats(a)):
+        # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors come back.
+        return delegate(func, types, args, kwargs)
     a, x, layout, weight, bias = _channel_norm_call(func, F.instance_norm, args, kwargs, op, min_rank=3)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = x.to_local(), a["eps"], x.dim()
@@ -303,6 +349,8 @@ def layer_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
     """Layer norm; statistics all-reduced only when a normalized dim is sharded."""
     a = _bind(func, F.layer_norm, args, kwargs)
     x, op = a["input"], "layer_norm"
+    if _is_partial(x):
+        return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked on 2 ranks)
     layout, dims, first = _trailing_norm(x, a["normalized_shape"], op)
     weight = _normalized_slice(_param(a["weight"], layout, op, "weight"), layout, first)
     bias = _normalized_slice(_param(a["bias"], layout, op, "bias"), layout, first)
@@ -321,6 +369,8 @@ def rms_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> S
     """RMS norm; the mean square is all-reduced only when a normalized dim is sharded."""
     a = _bind(func, F.rms_norm, args, kwargs)
     x, op = a["input"], "rms_norm"
+    if _is_partial(x):
+        return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked on 2 ranks)
     layout, dims, first = _trailing_norm(x, a["normalized_shape"], op)
     weight = _normalized_slice(_param(a["weight"], layout, op, "weight"), layout, first)
     local = x.to_local()

@@ -13,16 +13,19 @@ function. The output is then replicated over those mesh dims.
 
 Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
 fallback: PhysicsNeMo has no activation handler): calls whose first argument is
-not a ShardTensor, and ``inplace=True`` of ``silu``/``elu``/``leaky_relu``
-(checked on 2 ranks, uneven shards: the input is updated in place, values and
-gradients match single-process).
+not a ShardTensor, and ``inplace=True`` of ``silu``/``elu``/``leaky_relu``/``mish``
+(checked on 2 ranks, uneven and empty shards, with the ``fallback_fix`` plugin: the
+input is updated in place, values and gradients equal single-process).
 
 Refused (``MissingShardPatch``):
 
-* ``inplace=True`` on a ``Partial`` input: DTensor refuses an in-place op that
-  would change the placement (and the caller's partial terms would be lost);
-* ``inplace=True`` of other activations (``hardswish``, ``mish``): DTensor has no
-  sharding rule for their backward ops, so the delegate would fail in backward.
+* ``inplace=True`` on a ``Partial`` input (checked on 2 ranks, re-examined since the
+  ``fallback_fix`` plugin): for ``silu``/``elu``/``leaky_relu``/``mish`` the fallback
+  raises "in-place operations that require placement changes are not supported";
+  for ``hardswish`` it is *wrong* (it applies the activation to each rank's term,
+  keeping ``Partial``) and its backward fails (no rule for ``aten.hardswish_backward``);
+* ``inplace=True`` of ``hardswish`` on a sharded input: the fallback's forward is right
+  but its backward fails (DTensor has no sharding rule for ``aten.hardswish_backward``).
 
 Example (2 ranks)::
 
@@ -64,8 +67,8 @@ POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
 
 
 #: Activations whose ``inplace=True`` calls are delegated to the DTensor fallback (checked right,
-#: values and gradients, on uneven shards); the others' backward ops have no DTensor rule.
-INPLACE_DELEGATED: frozenset[Callable[..., Any]] = frozenset({F.silu, F.elu, F.leaky_relu})
+#: values and gradients, on uneven and empty shards); hardswish's backward op has no DTensor rule.
+INPLACE_DELEGATED: frozenset[Callable[..., Any]] = frozenset({F.silu, F.elu, F.leaky_relu, F.mish})
 
 
 def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -85,7 +88,8 @@ def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
             raise MissingShardPatch(
                 f"{describe_target(func)}(inplace=True): input has a Partial placement "
                 f"{tuple(tensor._spec.placements)}; an in-place activation of a partial sum cannot keep "
-                "the placement (use inplace=False, or redistribute first)"
+                "the placement (the DTensor fallback refuses it, or for hardswish computes it per term: "
+                "wrong); use inplace=False, or redistribute first"
             )
         if func not in INPLACE_DELEGATED:
             raise MissingShardPatch(

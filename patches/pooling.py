@@ -22,14 +22,23 @@ Max-pool indices (``return_indices=True``) are *global* flat indices over the
 input's spatial dims, as in a single-process run; ties resolve to the first
 element in row-major order, as in PyTorch.
 
-Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
-``avg_pool*d`` of ``Partial`` inputs (an average is linear in the input; checked on
-2 ranks, values and gradients).
+Delegated (:func:`~physicsnemo_shardext.primitives.delegate`: the built-in where
+PhysicsNeMo has one, else the DTensor fallback), checked on 2 ranks against
+single-process, values and gradients:
 
-Refused (``MissingShardPatch``): ``Partial`` inputs of max pools (the max of a
-partial sum is not the sum of the maxima) and of adaptive pools (no built-in; the
-DTensor fallback's forward is right, but its backward through the ``fallback_fix``
-plugin fails on a ``Partial`` input); a spatial dim sharded over two mesh dims. Limitation: NaNs in a global (output size 1) adaptive max over a
+* ``Partial`` inputs of ``avg_pool1d/2d/3d`` with ``stride == kernel_size`` (built-in:
+  an average is linear, each rank's term is pooled; other strides, which the built-in
+  refuses, are pooled term by term here the same way), of ``max_pool1d/2d_with_indices`` (fallback: sums the terms first, ``Replicate``) and of
+  ``adaptive_avg_pool1d/2d`` (fallback: keeps the ``Partial(sum)``);
+* calls whose input is not a ShardTensor (a ShardTensor elsewhere in the arguments).
+
+Refused (``MissingShardPatch``): ``Partial`` inputs of ``max_pool1d/2d/3d`` (the
+built-in max-pools each rank's term: wrong, the max of a partial sum is not the sum
+of the maxima), of ``max_pool3d_with_indices``, ``adaptive_avg_pool3d`` and the adaptive
+max pools (the fallback's forward is right but its backward fails: DTensor has no
+sharding rule for their backward ops); a spatial dim sharded over two mesh dims
+(PhysicsNeMo 2.2's ShardTensor cannot hold that layout on CPU ranks: ``from_dtensor``
+rejects its local shape, checked on a 2x2 mesh). Limitation: NaNs in a global (output size 1) adaptive max over a
 sharded dim are not propagated like PyTorch does (see docs/patches/pooling.md).
 
 Example (2 ranks, height 17 split 10/7)::
@@ -51,7 +60,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
+from physicsnemo_shardext import MissingShardPatch, hookimpl
 from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 from physicsnemo_shardext.targets import describe_target
 
@@ -110,10 +119,49 @@ def connected_zeros(source: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return source.reshape(-1)[:0].sum() + source.new_zeros(tuple(shape))
 
 
-def refuse_partial(x: ShardTensor, op: str) -> None:
-    """Raise ``MissingShardPatch`` for inputs with a ``Partial`` placement."""
+def refuse_partial(x: ShardTensor, op: str, why: str = "") -> None:
+    """Raise ``MissingShardPatch`` for inputs with a ``Partial`` placement (``why``: the measured reason)."""
     if any(p.is_partial() for p in x._spec.placements):
-        raise MissingShardPatch(f"{op}: input has a Partial placement {tuple(x._spec.placements)}; redistribute first")
+        reason = f" ({why})" if why else ""
+        raise MissingShardPatch(
+            f"{op}: input has a Partial placement {tuple(x._spec.placements)}; redistribute first{reason}"
+        )
+
+
+def _is_partial(x: ShardTensor) -> bool:
+    return any(p.is_partial() for p in x._spec.placements)
+
+
+_BACKWARD_FAILS = "the DTensor fallback's backward fails: no sharding rule for its backward op"
+#: Pools whose delegate is wrong or fails on a Partial(sum) input (checked on 2 ranks); the others delegate.
+_PARTIAL_REFUSED: dict[Callable, str] = {
+    **{f: "the built-in max-pools each rank's term: the max of a partial sum is not the sum of the maxima"
+       for f in (F.max_pool1d, F.max_pool2d, F.max_pool3d)},
+    F.max_pool3d_with_indices: _BACKWARD_FAILS,
+    F.adaptive_avg_pool3d: _BACKWARD_FAILS,
+    **{f: _BACKWARD_FAILS for f in (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+                                    F.adaptive_max_pool1d_with_indices, F.adaptive_max_pool2d_with_indices,
+                                    F.adaptive_max_pool3d_with_indices)},
+}
+
+
+def _partial_delegated(func: Callable, x: ShardTensor, op: str) -> bool:
+    """Whether a Partial input goes to the delegate (True), else refuse it with the measured reason."""
+    if not _is_partial(x):
+        return False
+    if func in _PARTIAL_REFUSED:
+        refuse_partial(x, op, _PARTIAL_REFUSED[func])
+    return True
+
+
+def _builtin_refuses_stride(a: dict[str, Any]) -> bool:
+    """Whether PhysicsNeMo's avg-pool built-in refuses these arguments (it needs ``stride == kernel_size``).
+
+    >>> _builtin_refuses_stride({"kernel_size": 2, "stride": None}), _builtin_refuses_stride({"kernel_size": 3, "stride": 1})
+    (False, True)
+    """
+    stride = a["stride"] if a["stride"] is not None else a["kernel_size"]
+    return stride != a["kernel_size"]
 
 
 def _tuple(value: Any, n: int, what: str, op: str) -> tuple[int, ...]:
@@ -242,11 +290,12 @@ def pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any
     signature = _MAX_SIGNATURE if is_max else (_AVG1D_SIGNATURE if n == 1 else _AVG_SIGNATURE)
     a = bind_arguments(op, signature, args, kwargs)
     x = a["input"]
-    if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{op}: the sharded tensor must be the input")
-    if not is_max and builtin_handler(func) is not None and any(p.is_partial() for p in x._spec.placements):
-        return delegate(func, types, args, kwargs)  # an average is linear: the built-in pools each rank's term
-    refuse_partial(x, op)
+    if isinstance(x, ShardTensor) and not is_max and _is_partial(x) and _builtin_refuses_stride(a):
+        # An average is linear, so the pool of each rank's term is a term of the pooled sum. The
+        # built-in does exactly that, but only for stride == kernel_size; other strides run here.
+        return from_local_like(func(x.to_local(), **{k: v for k, v in a.items() if k != "input"}), x)
+    if not isinstance(x, ShardTensor) or _partial_delegated(func, x, op):
+        return delegate(func, types, args, kwargs)  # checked on 2 ranks (see the module docstring)
     return_indices = is_max and (func in _MAX_POOLS_WITH_INDICES or bool(a["return_indices"]))
     stride = a["stride"]
     if stride is None or (not isinstance(stride, int) and len(stride) == 0):
@@ -403,9 +452,8 @@ def adaptive_pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dic
     signature = [("input", None), ("output_size", None)] + ([("return_indices", False)] if is_max else [])
     a = bind_arguments(op, signature, args, kwargs)
     x = a["input"]
-    if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{op}: the sharded tensor must be the input")
-    refuse_partial(x, op)
+    if not isinstance(x, ShardTensor) or _partial_delegated(func, x, op):
+        return delegate(func, types, args, kwargs)  # checked on 2 ranks (see the module docstring)
     return_indices = is_max and (func in _ADAPTIVE_MAX_WITH_INDICES or bool(a["return_indices"]))
     meta_kwargs = {k: v for k, v in a.items() if k != "input"}
     meta_out = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs)

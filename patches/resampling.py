@@ -22,10 +22,29 @@ wrong with ``align_corners=True`` and crashes with ``size=``.
   Unsharded dims are resized by ``F.interpolate`` on the local block. ``area`` is
   adaptive average pooling and goes through ``F.adaptive_avg_pool{1,2,3}d``.
 
-Refused (``MissingShardPatch``): ``Partial`` inputs; ``antialias=True`` with a
-sharded spatial dim; ``pixel_shuffle`` with channel shards that split a group of
-``r*r`` channels; 1-D/3-D ``nearest`` whose ``scale_factor`` keeps a sharded dim's
-size but shifts its rows, and ``bicubic`` likewise (PyTorch's forward and backward disagree there).
+Delegated (:func:`~physicsnemo_shardext.primitives.delegate`), checked on 2 ranks
+against single-process, values and gradients: ``Partial`` inputs of ``interpolate``
+(the built-in resizes each rank's term: interpolation is linear) and of
+``pixel_shuffle`` / ``pixel_unshuffle`` (the DTensor fallback keeps the
+``Partial(sum)``: a permutation of elements).
+
+Refused (``MissingShardPatch``), each checked against the delegate on 2 ranks:
+
+* ``antialias=True`` with a sharded spatial dim: PhysicsNeMo's built-in (which this
+  overrides) raises ``TypeError`` with ``size=``, is silently wrong with
+  ``align_corners=True`` (8 rows split 4/4, ``scale_factor=2``: output off by 0.22,
+  gradient by 0.52) and fails on some uneven splits ("The size of tensor a (3) must
+  match the size of tensor b (4)");
+* ``pixel_shuffle`` with channel shards that split a group of ``r*r`` channels: the
+  DTensor fallback runs the kernel on the local channels and fails ("input.size(-3)=6
+  is not divisible by 4");
+* 1-D/3-D ``nearest`` whose ``scale_factor`` keeps a sharded dim's size but shifts its
+  rows, and ``bicubic`` likewise: PyTorch's forward shifts the rows while its backward
+  copies them. The built-in happens to reproduce both on 2 ranks with non-empty shards
+  (its halo row is exactly the shift), but it is wrong with an empty shard (off by 1.4),
+  raises ``TypeError`` for a per-dim ``scale_factor``, aborts gloo on 4 ranks with uneven
+  shards (collective size mismatch), and for ``bicubic`` is wrong on uneven shards
+  (9 rows split 5/4, ``scale_factor=1.1``: off by 0.47).
 
 Example (2 ranks, height 17 split 10/7)::
 
@@ -62,7 +81,8 @@ def pixel_shuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: dic
     op = describe_target(func)
     a = bind_arguments(op, [("input", None), ("upscale_factor", None)], args, kwargs)
     x, r = a["input"], int(a["upscale_factor"])
-    refuse_partial(x, op)
+    if any(p.is_partial() for p in x._spec.placements):
+        return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
     func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)  # PyTorch's own argument checks
     channel = x.ndim - 3
     sizes: dict[int, list[int]] = {}
@@ -96,7 +116,8 @@ def pixel_unshuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: d
     op = describe_target(func)
     a = bind_arguments(op, [("input", None), ("downscale_factor", None)], args, kwargs)
     x, r = a["input"], int(a["downscale_factor"])
-    refuse_partial(x, op)
+    if any(p.is_partial() for p in x._spec.placements):
+        return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
     func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)
     channel = x.ndim - 3
     local = x.to_local()
@@ -239,7 +260,8 @@ def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: i
         raise MissingShardPatch(
             f"torch.nn.functional.interpolate: mode={mode!r} with scale_factor={scale} keeps dim {d} at "
             f"size {out_size} but shifts rows, and PyTorch's own backward treats it as a copy (forward and "
-            "backward disagree); pass size= or scale_factor=1.0 for that dim"
+            "backward disagree; PhysicsNeMo's built-in is wrong or fails here on uneven or empty shards); pass "
+            "size= or scale_factor=1.0 for that dim"
         )
     # The row goes to the owner of its left source row (the second tap for bicubic).
     anchor = rows[:, 1] if mode == "bicubic" else rows[:, 0]
@@ -298,7 +320,10 @@ def interpolate_handler(func: Callable, types: tuple, args: tuple, kwargs: dict)
         pool = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}[n]
         return pool(x, tuple(out_shape[2:]) if n > 1 else out_shape[2])
     if a["antialias"]:
-        raise MissingShardPatch(f"{op}: antialias=True with a sharded spatial dim {sorted(spatial)} is not supported")
+        raise MissingShardPatch(
+            f"{op}: antialias=True with a sharded spatial dim {sorted(spatial)} is not supported (PhysicsNeMo's "
+            "built-in raises with size=, is wrong with align_corners=True and fails on some uneven shards)"
+        )
     if mode not in _LINEAR | _NEAREST | {"bicubic"}:
         raise MissingShardPatch(
             f"{op}: mode={mode!r} with a sharded spatial dim {sorted(spatial)} is not supported "

@@ -14,11 +14,13 @@ shard sizes**; dims that are not sharded are rolled/flipped locally.
   shifts and shifts larger than the dim are supported.
 * ``flip`` (also ``fliplr`` / ``flipud``): output row ``i`` is input row ``n - 1 - i``.
 
-Refused (``MissingShardPatch``): ``torch.roll`` without ``dims`` (a roll of the
-flattened tensor) when any dim is sharded, ``Partial`` placements
-(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
-``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), a tensor dim
-sharded over two mesh dims.
+Delegated (to the DTensor fallback; forward and gradients checked on 2 ranks
+against a single process): ``Partial`` inputs (a permutation of a pending sum;
+the result stays ``Partial(sum)``) and ``torch.roll`` without ``dims`` (a roll of
+the flattened tensor) when a dim is sharded (gathered; result ``Replicate``).
+
+Refused (``MissingShardPatch``): a tensor dim sharded over two mesh dims
+(``sharded_dims`` refuses it; not measured against the fallback).
 
 Example (2 ranks, ``x`` of height 7 sharded ``Shard(0)`` 5/2)::
 
@@ -34,8 +36,8 @@ from typing import Any
 import torch
 from physicsnemo.domain_parallel import ShardTensor
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext import hookimpl
+from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
 from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.targets import describe_target
 
@@ -46,6 +48,10 @@ def _as_tuple(value: Any) -> tuple:
     if isinstance(value, torch.Size):
         return tuple(value)
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _is_partial(x: Any) -> bool:
+    return isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements)
 
 
 def _permute_rows(local: torch.Tensor, layout: DimLayout, source_of: Callable[[int], int]) -> torch.Tensor:
@@ -76,14 +82,14 @@ def sharded_roll(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     dims = rest.pop(0) if rest else kwargs.pop("dims", None)
     if rest or kwargs:
         raise TypeError(f"{describe_target(func)}: unexpected arguments {rest or sorted(kwargs)}")
+    if _is_partial(x):
+        return delegate(func, types, args, kwargs)  # a permutation of a pending sum: the fallback is right
     x = require_shard_input(func, x)
     layouts = sharded_dims(x)
     if dims is None or _as_tuple(dims) == ():
         if layouts:
-            raise MissingShardPatch(
-                f"{describe_target(func)}: roll without dims (a roll of the flattened tensor) is not supported "
-                f"when tensor dims {sorted(layouts)} are sharded; pass dims explicitly"
-            )
+            # A roll of the flattened tensor: the fallback gathers it (right, even and uneven splits).
+            return delegate(func, types, args, kwargs)
         return from_local_like(torch.roll(x.to_local(), shifts), x)
     shifts, dims = _as_tuple(shifts), _as_tuple(dims)
     if len(shifts) != len(dims):
@@ -146,6 +152,8 @@ def sharded_flip(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     """
     if not args:
         raise TypeError(f"{describe_target(func)}: missing the input tensor")
+    if _is_partial(args[0]):
+        return delegate(func, types, args, kwargs)  # a permutation of a pending sum: the fallback is right
     x = require_shard_input(func, args[0])
     if FLIP_TARGETS[func] is not None and x.ndim < FLIP_TARGETS[func][0] + 1:
         raise RuntimeError(f"{describe_target(func)}: input must be >= {FLIP_TARGETS[func][0] + 1}-d")

@@ -15,12 +15,23 @@ shard sizes, and only per-rank statistics cross ranks:
   all-gathers the gradient of that row: the prefix of rank ``r`` feeds every
   later rank). Along an unsharded dim: purely local.
 
-Refused (``MissingShardPatch``): inputs with a ``Partial`` placement
-(kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
-``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum)), a
-tensor dim sharded over two mesh dims, named dims, the sharded tensor not being
-the first argument, ``cumsum(out=...)``, a softmax of an integer tensor along a
-sharded dim without ``dtype=`` (torch has no kernel for it either).
+Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
+fallback: PhysicsNeMo has no handler for these): inputs with a ``Partial``
+placement. Checked on 2 ranks against single-process, values and gradients: the
+fallback sums the partial terms first (softmax family, output ``Replicate``) or
+keeps the ``Partial(sum)`` (cumsum, which is linear), and its backward (with the
+``fallback_fix`` plugin) gives every rank's term the whole gradient.
+
+Refused (``MissingShardPatch``), each checked against the delegate on 2 ranks:
+
+* ``cumsum(out=...)``: with a ShardTensor ``out`` the fallback fails ("aten.cumsum.out:
+  no valid sharding strategy"); with a plain ``out`` it fills it but returns a new
+  ShardTensor instead of ``out``; under autograd torch refuses ``out=`` anyway;
+* named dims and a softmax of an integer tensor along a sharded dim without ``dtype=``:
+  the fallback raises torch's own error (torch has no such call either);
+* a tensor dim sharded over two mesh dims: PhysicsNeMo 2.2's ShardTensor cannot hold
+  that layout on CPU ranks (``from_dtensor`` rejects its local shape), so nothing to delegate;
+* the sharded tensor not being the first argument (e.g. a plain input with a ShardTensor ``out=``).
 
 Example (2 ranks, ``x`` sharded ``Shard(1)`` 10/7)::
 
@@ -39,7 +50,7 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, dim_layout, from_local_like
+from physicsnemo_shardext.primitives import DimLayout, delegate, dim_layout, from_local_like
 from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
 from physicsnemo_shardext.targets import describe_target
 
@@ -67,8 +78,12 @@ def _bind(func: Callable, args: tuple, kwargs: dict, names: Sequence[tuple[str, 
 
 def _checked_input(func: Callable, x: Any, dim: Any) -> tuple[ShardTensor, int]:
     """Validate the sharded input and normalize ``dim``."""
-    x = require_shard_input(func, x, "a softmax/cumsum of a partial sum is not the sum of them")
+    x = require_shard_input(func, x)
     return x, normalize_dim(func, dim, x.ndim)
+
+
+def _is_partial(x: Any) -> bool:
+    return isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements)
 
 
 def _softmax_dim_legacy(ndim: int) -> int:
@@ -142,6 +157,8 @@ def sharded_softmax(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
         raise TypeError(f"{describe_target(func)}: missing the input tensor")
     bound = _bind(func, args[1:], dict(kwargs), signature)
     x = args[0]
+    if _is_partial(x):
+        return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked: values, grads)
     dim = bound["dim"]
     if dim is None and isinstance(x, torch.Tensor):
         dim = _softmax_dim_legacy(x.ndim)
@@ -214,8 +231,14 @@ def sharded_cumsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> S
     if not args:
         raise TypeError(f"{describe_target(func)}: missing the input tensor")
     bound = _bind(func, args[1:], dict(kwargs), [("dim", _NO_DEFAULT), ("dtype", None), ("out", None)])
+    if _is_partial(args[0]) and bound["out"] is None:
+        return delegate(func, types, args, kwargs)  # cumsum is linear: the fallback keeps Partial(sum) (checked)
     if bound["out"] is not None:
-        raise MissingShardPatch(f"{describe_target(func)}: out= is not supported on ShardTensor")
+        raise MissingShardPatch(
+            f"{describe_target(func)}: out= is not supported on ShardTensor (the DTensor fallback fails for a "
+            "ShardTensor out=, 'no valid sharding strategy' for aten.cumsum.out, and returns a new tensor "
+            "instead of a plain out=; torch refuses out= under autograd)"
+        )
     x, dim = _checked_input(func, args[0], bound["dim"])
     local = x.to_local()
     if x.ndim == 0:

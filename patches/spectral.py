@@ -44,13 +44,22 @@ op below works per sharded dim, so both cases take the same code):
 
 Refused (``MissingShardPatch``):
 
-* einsum that contracts a sharded index (the result would be a partial sum),
-  two operands sharded differently on one index, ``...`` over a sharded dim
-  mixed with broadcasting, a ``Partial`` or ``Shard`` DTensor operand
-  (kept: the DTensor fallback's forward is right, checked on 2 ranks, but its backward through the
-  ``fallback_fix`` plugin fails on a ``Partial`` input, redistributing the gradient R -> P(sum));
+* einsum that contracts a sharded index (issue 12; measured: the DTensor
+  fallback is right on even splits, result ``Partial(sum)``, and crashes on
+  uneven ones), two operands sharded differently on one index, ``...`` over a
+  sharded dim mixed with broadcasting, a ``Shard`` plain-DTensor operand,
+  keyword arguments (torch.einsum takes none);
+* setitem into a ``Partial`` target, or with an index form other than basic
+  slices/ints on unsharded dims (kept: the DTensor fallback fails, measured on
+  2 ranks: ``aten.fill_.Tensor`` / ``aten.index_put_`` have no strategy for it);
 * setitem into a DTensor target that is not a promoted plain tensor;
-* setitem whose value is sharded differently from the target region.
+* setitem whose value is sharded differently from the target region (kept: the
+  DTensor fallback writes wrong values, measured on 2 ranks).
+
+Delegated (to the DTensor fallback; values, placements and gradients checked on
+2 ranks against a single process and the plugin-disabled run): einsum with a
+``Partial(sum)`` operand.
+
 
 Example (2 ranks, spectrum sharded on dim 3, split 5/4)::
 
@@ -73,6 +82,7 @@ from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_vi
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext.primitives import delegate
 from physicsnemo_shardext.primitives.index_exchange import gather_global_indices
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.replicated import gather_full, replicated_local, replicated_part, sum_grad_over
@@ -200,11 +210,17 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
         _write_into_plain(target, index, value)
         return
     if any(p.is_partial() for p in target._spec.placements):
-        raise MissingShardPatch(f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements}")
+        raise MissingShardPatch(
+            f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements} (the DTensor "
+            "fallback fails too: aten.fill_.Tensor has no sharding strategy); redistribute the target first"
+        )
     try:
         plan = plan_index(target, index)
     except _Unsupported as why:
-        raise MissingShardPatch(f"torch.Tensor.__setitem__ on a ShardTensor with index {index!r}: {why}") from None
+        raise MissingShardPatch(
+            f"torch.Tensor.__setitem__ on a ShardTensor with index {index!r}: {why} (the DTensor fallback fails "
+            "too: an in-place fill_/index_put_ on a sharded target has no strategy)"
+        ) from None
     region = target.to_local()[plan.local_index]
     value_local = _value_for_region(value, target, plan, region)
     updated = target.to_local().clone()
@@ -268,7 +284,8 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
                 "torch.Tensor.__setitem__: the value's sharding "
                 f"{ {d: s for d, s in have.items()} } does not match the target region's "
                 f"{ {d: s for d, s in wanted.items()} } (tensor dim -> (mesh dim, rows per coordinate)); "
-                "slice the value from a tensor sharded like the target"
+                "slice the value from a tensor sharded like the target (the DTensor fallback writes wrong "
+                "values here)"
             )
         return value.to_local()
     # A replicated value of the region's global shape: keep this rank's rows. Each rank writes
@@ -393,6 +410,10 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         operands = list(operands[0])
     if kwargs:
         raise MissingShardPatch(f"torch.einsum on ShardTensors: keyword arguments {sorted(kwargs)}")
+    if any(isinstance(op, ShardTensor) and any(p.is_partial() for p in op._spec.placements) for op in operands):
+        # A Partial(sum) operand: the DTensor fallback keeps or reduces the pending sum as einsum's
+        # linearity allows (forward and gradients checked on 2 ranks).
+        return delegate(func, types, args, kwargs)
     subscripts, out = _split_equation(equation, operands)
 
     # Sharded indices: letter -> (mesh dim, sizes), consistent over all sharded operands.
@@ -401,8 +422,6 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
     for subs, op in zip(subscripts, operands):
         if isinstance(op, ShardTensor):
             mesh = op._spec.mesh
-            if any(p.is_partial() for p in op._spec.placements):
-                raise MissingShardPatch(f"torch.einsum {equation!r}: an operand has a Partial placement")
             for d, layout in sharded_dims(op).items():
                 letter = subs[d]
                 entry = (layout.mesh_dim, layout.sizes, layout)

@@ -25,12 +25,15 @@ from physicsnemo_shardext.builtins import builtin_handler, ensure_builtin_patche
 from physicsnemo_shardext.declarations import PatchDeclaration, PatchSet
 from physicsnemo_shardext.distributed import distributed_session, initialize, shutdown
 from physicsnemo_shardext.errors import (
+    IncompatiblePluginError,
     InvalidPatchDeclaration,
     MissingShardPatch,
     PatchConflictError,
     PluginLoadError,
+    PluginNameClash,
     ShardextError,
     ShardextWarning,
+    UndeclaredPatchError,
 )
 from physicsnemo_shardext.loader import PluginLoader
 from physicsnemo_shardext.markers import hookimpl
@@ -41,6 +44,7 @@ from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
 
 __all__ = [
     "AttributeTarget",
+    "IncompatiblePluginError",
     "InstalledPatch",
     "InvalidPatchDeclaration",
     "MissingShardPatch",
@@ -51,10 +55,12 @@ __all__ = [
     "PatchSet",
     "PluginInfo",
     "PluginLoadError",
+    "PluginNameClash",
     "PluginReport",
     "Settings",
     "ShardextError",
     "ShardextWarning",
+    "UndeclaredPatchError",
     "builtin_handler",
     "disabled",
     "distributed_session",
@@ -84,8 +90,10 @@ def get_registry() -> PatchRegistry:
 def load_plugins(settings: Settings | None = None, entry_points: Iterable[Any] | None = None) -> list[PluginReport]:
     """Discover (or take) entry points and install their plugins; returns one report per plugin.
 
-    Runs automatically on import unless ``SHARDEXT_AUTOLOAD=0``. Plugins already
-    loaded are reported as failed (name taken), so call it once per process.
+    Runs automatically on import unless ``SHARDEXT_AUTOLOAD=0``. A plugin already
+    loaded under the same (distribution, name) is skipped, so calling it again only
+    loads what is new; a name held by another distribution is refused at the name
+    check (:class:`PluginNameClash`).
     """
     settings = settings or Settings.from_env()
     ensure_builtin_patches()
@@ -116,4 +124,11 @@ def sandbox() -> Any:
 
 ensure_builtin_patches()
 if _settings.autoload:
-    load_plugins(_settings)
+    from physicsnemo_shardext import cli as _cli  # imports only the standard library
+
+    if _cli.started_as_cli():
+        # The ``shardext`` command: plugins' prints go to stderr (``--json`` stays valid)
+        # and what they raise is reported by the command instead of ending it.
+        _cli.autoload_for_cli(lambda: load_plugins(_settings))
+    else:
+        load_plugins(_settings)

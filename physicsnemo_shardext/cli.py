@@ -6,20 +6,161 @@ Usage::
     shardext doctor [--json]                 # versions, backends, plugin health, conflicts
     python -m physicsnemo_shardext list      # same, without the console script
 
+Neither command dies because of a plugin: whatever a plugin raises while it is
+loaded or inspected (``SystemExit`` included; only a real Ctrl-C, exactly
+``KeyboardInterrupt``, still interrupts) is shown in the report, which is always
+printed. While plugins load, their output goes to stderr, so ``--json`` stays
+valid JSON.
+
 Example:
-    >>> main(["list", "--json"]) == 0  # doctest: +SKIP
-    True
+    >>> import io, json
+    >>> out = io.StringIO()
+    >>> main(["list", "--json", "--plugin", "pointwise"], out=out)
+    0
+    >>> data = json.loads(out.getvalue())
+    >>> data["schema_version"], data["errors"], any(row["drift"] for row in data["handlers"])
+    (2, [], False)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO, TypeVar
 
-__all__ = ["main"]
+__all__ = [
+    "JSON_SCHEMA_VERSION",
+    "autoload_for_cli",
+    "build_parser",
+    "contained",
+    "main",
+    "plugin_output_to_stderr",
+    "started_as_cli",
+]
+
+#: Version of the ``--json`` layout. 2 added ``schema_version``, ``errors``, and per handler
+#: row ``recorded_handler``, ``drift`` and ``drift_reason`` (``handler`` is now the live one).
+JSON_SCHEMA_VERSION = 2
+
+T = TypeVar("T")
+
+CLI_MODULES = ("physicsnemo_shardext", "physicsnemo_shardext.cli")
+
+# Errors of a plugin load that ran before main() (the package loads plugins when imported).
+_EARLY_ERRORS: list[str] = []
+
+
+def _swap_stdout_fd() -> int | None:
+    """Point file descriptor 1 at stderr; returns a copy of the old one (``None``: not possible)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):  # no real fd 1 (embedded interpreter, closed stream)
+        return None
+    return saved
+
+
+def _restore_stdout_fd(saved: int | None) -> None:
+    if saved is None:
+        return
+    # A plugin may have written to sys.__stdout__ directly: flush it while fd 1 is still stderr.
+    with contextlib.suppress(Exception):
+        sys.__stdout__.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
+@contextlib.contextmanager
+def plugin_output_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout inside the block to stderr, ``print`` and fd 1 alike.
+
+    The fd-level swap also catches ``os.write(1, ...)`` and extension modules.
+
+    >>> with plugin_output_to_stderr():
+    ...     print("from a plugin")  # goes to stderr
+    """
+    saved = _swap_stdout_fd()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _restore_stdout_fd(saved)
+
+
+def contained(step: str, errors: list[str], action: Callable[[], T], default: T) -> T:
+    """Run ``action``; on any exception but a real Ctrl-C, note it in ``errors`` and return ``default``.
+
+    >>> errors = []
+    >>> contained("loading plugins", errors, lambda: sys.exit(3), default=None), errors
+    (None, ['loading plugins: SystemExit: 3'])
+    """
+    try:
+        return action()
+    except BaseException as error:  # SystemExit, GeneratorExit, KeyboardInterrupt subclasses ...
+        # SIGINT raises exactly KeyboardInterrupt; a subclass can only be a plugin's own.
+        if type(error) is KeyboardInterrupt:
+            raise
+        errors.append(f"{step}: {type(error).__name__}: {error}")
+        return default
+
+
+def started_as_cli(argv: Sequence[str] | None = None, orig_argv: Sequence[str] | None = None) -> bool:
+    """Whether this process is the ``shardext`` command (console script or ``python -m``).
+
+    The package loads plugins as soon as it is imported, before :func:`main` runs, so
+    its ``__init__`` asks this to route that load through :func:`autoload_for_cli`.
+    ``orig_argv`` is needed for ``-m``: ``sys.argv[0]`` is ``"-m"`` while the package imports.
+
+    >>> started_as_cli(["/venv/bin/shardext", "list"], []), started_as_cli(["train.py"], ["python", "train.py"])
+    (True, False)
+    >>> started_as_cli(["-m"], ["python", "-m", "physicsnemo_shardext", "doctor"])
+    True
+    """
+    argv = sys.argv if argv is None else argv
+    orig_argv = getattr(sys, "orig_argv", ()) if orig_argv is None else orig_argv
+    script = os.path.splitext(os.path.basename(argv[0]))[0] if argv else ""
+    if script == "shardext":
+        return True
+    args = list(orig_argv)
+    modules = [b for a, b in zip(args, args[1:]) if a == "-m"] + [a[2:] for a in args if a.startswith("-m") and a != "-m"]
+    return any(module in CLI_MODULES for module in modules)
+
+
+def autoload_for_cli(load: Callable[[], Any]) -> None:
+    """Run the package's import-time plugin load the way the CLI needs it.
+
+    Plugins' output goes to stderr (``--json`` stays valid) and anything they raise,
+    strict-mode errors included, is kept for the report instead of ending the command.
+
+    >>> autoload_for_cli(lambda: print("plugin chatter"))  # printed on stderr
+    """
+    with plugin_output_to_stderr():
+        contained("loading plugins", _EARLY_ERRORS, load, None)
+
+
+def _registry(errors: list[str]) -> Any:
+    """Import the package (which loads plugins, unless already done) and return its registry."""
+
+    def load() -> Any:
+        import physicsnemo_shardext
+
+        return physicsnemo_shardext.get_registry()
+
+    errors.extend(_EARLY_ERRORS)
+    with plugin_output_to_stderr():
+        return contained("loading plugins", errors, load, None)
+
+
+def _inspect(step: str, errors: list[str], action: Callable[[], T], default: T) -> T:
+    """Read the inventory with plugin output kept off stdout (describing a handler may run plugin code)."""
+    with plugin_output_to_stderr():
+        return contained(step, errors, action, default)
 
 
 def _table(rows: list[dict[str, Any]], columns: Sequence[str], out: TextIO) -> None:
@@ -33,43 +174,78 @@ def _table(rows: list[dict[str, Any]], columns: Sequence[str], out: TextIO) -> N
         out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n")
 
 
-def _command_list(args: argparse.Namespace, out: TextIO) -> int:
-    import physicsnemo_shardext
-    from physicsnemo_shardext.inventory import handler_rows, plugin_rows
+def _write_errors(errors: Sequence[str], out: TextIO) -> None:
+    if errors:
+        out.write("\nErrors while loading or inspecting plugins (the report above may be incomplete):\n")
+        out.writelines(f"  {error}\n" for error in errors)
 
-    registry = physicsnemo_shardext.get_registry()
-    handlers = handler_rows(registry)
-    plugins = plugin_rows(registry)
-    if args.plugin:
-        handlers = [h for h in handlers if h["provider"] == args.plugin]
-        plugins = [p for p in plugins if p["plugin"] == args.plugin]
-    if args.json:
-        out.write(json.dumps({"handlers": handlers, "plugins": plugins}, indent=2) + "\n")
-        return 0
+
+def _recorded_cell(row: dict[str, Any]) -> str:
+    """The RECORDED column: ``same``, or what provenance recorded for a drifted slot."""
+    if not row["drift"]:
+        return "same"
+    return f"DRIFT (recorded: {row['recorded_handler'] or 'nothing'})"
+
+
+def _write_listing(handlers: list[dict[str, Any]], plugins: list[dict[str, Any]], out: TextIO) -> None:
     for row in handlers:
         row["overrides"] = "yes" if row["overrides_builtin"] else ""
-    _table(handlers, ["target", "level", "handler", "provider", "distribution", "priority", "overrides"], out)
+        row["recorded"] = _recorded_cell(row)
+    columns = ["target", "level", "handler", "provider", "distribution", "priority", "overrides", "recorded"]
+    _table(handlers, columns, out)
+    drifted = [row for row in handlers if row["drift"]]
+    if drifted:
+        out.write("\nHandlers ShardTensor calls that are not the recorded ones:\n")
+        _table(drifted, ["target", "level", "handler", "recorded_handler", "drift_reason"], out)
     problems = [p for p in plugins if p["status"] != "loaded"]
     if problems:
         out.write("\nPlugins not installed:\n")
         _table(problems, ["plugin", "distribution", "version", "status", "reason"], out)
+
+
+def _runner(errors: list[str]) -> Callable[[str, Callable[[], Any], Any], Any]:
+    """The inventory's ``run(stage, thunk, default)``: each piece contained on its own, so one
+    broken plugin object costs one row, not the report."""
+    return lambda stage, thunk, default: _inspect(stage, errors, thunk, default)
+
+
+def _inventory() -> Any:
+    """The inventory module, imported lazily: importing the package is what loads plugins."""
+    from physicsnemo_shardext import inventory
+
+    return inventory
+
+
+def _command_list(args: argparse.Namespace, out: TextIO) -> int:
+    errors: list[str] = []
+    registry = _registry(errors)
+    handlers: list[dict[str, Any]] = []
+    plugins: list[dict[str, Any]] = []
+    if registry is not None:
+        handlers = _inspect("reading ShardTensor's registries", errors, lambda: _inventory().handler_rows(registry, _runner(errors)), [])
+        plugins = _inspect("reading the plugin reports", errors, lambda: _inventory().plugin_rows(registry), [])
+    if args.plugin:
+        handlers = [h for h in handlers if h["provider"] == args.plugin]
+        plugins = [p for p in plugins if p["plugin"] == args.plugin]
+    if args.json:
+        data = {"schema_version": JSON_SCHEMA_VERSION, "handlers": handlers, "plugins": plugins, "errors": errors}
+        out.write(json.dumps(data, indent=2, default=str) + "\n")
+        return 0
+    _write_listing(handlers, plugins, out)
+    _write_errors(errors, out)
     return 0
 
 
-def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
-    import physicsnemo_shardext
-    from physicsnemo_shardext.inventory import doctor_report
+def _doctor_data(errors: list[str]) -> dict[str, Any]:
+    """The doctor report, or the sections that could be built, plus ``schema_version`` and ``errors``."""
+    registry = _registry(errors)
+    report: dict[str, Any] = {}
+    if registry is not None:
+        report = _inspect("building the report", errors, lambda: _inventory().doctor_report(registry, _runner(errors)), {})
+    return {"schema_version": JSON_SCHEMA_VERSION, **report, "errors": errors}
 
-    report = doctor_report(physicsnemo_shardext.get_registry())
-    if args.json:
-        out.write(json.dumps(report, indent=2, default=str) + "\n")
-        return 0
-    out.write("Versions\n")
-    for name, version in report["versions"].items():
-        out.write(f"  {name:22} {version}\n")
-    out.write("Backends\n")
-    for name, available in report["backends"].items():
-        out.write(f"  {name:22} {available}\n")
+
+def _write_doctor_plugins(report: dict[str, Any], out: TextIO) -> None:
     out.write("Plugins\n")
     for status, names in report["plugins"].items():
         out.write(f"  {status:22} {len(names)}  {', '.join(names)}\n")
@@ -78,6 +254,9 @@ def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {detail['reason']}\n")
         for skipped in detail["not_applicable"]:
             out.write(f"    {detail['plugin']}: not needed here, not installed: {skipped}\n")
+
+
+def _write_doctor_conflicts(report: dict[str, Any], out: TextIO) -> None:
     out.write("Conflicts\n")
     if not report["conflicts"]:
         out.write("  none\n")
@@ -91,11 +270,38 @@ def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
             f"  {conflict['level']} {conflict['target']} (priority {conflict['priority']}): "
             f"{', '.join(conflict['providers'])} -> {how}\n"
         )
+
+
+def _write_doctor_handlers(report: dict[str, Any], out: TextIO) -> None:
     handlers = report["handlers"]
     out.write(
         f"Handlers\n  {handlers['total']} in ShardTensor, {handlers['from_plugins']} from plugins, "
         f"{handlers['overriding_builtins']} overriding PhysicsNeMo built-ins\n"
     )
+    for row in report.get("drift") or report.get("drifted") or []:
+        out.write(
+            f"  DRIFT {row['level']} {row['target']}: ShardTensor calls {row['handler'] or 'nothing'}, "
+            f"recorded {row['recorded_handler'] or 'nothing'} ({row['drift_reason']})\n"
+        )
+
+
+def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
+    errors: list[str] = []
+    report = _doctor_data(errors)
+    if args.json:
+        out.write(json.dumps(report, indent=2, default=str) + "\n")
+        return 0
+    if "versions" in report:  # absent only when the report could not be built at all
+        out.write("Versions\n")
+        for name, version in report["versions"].items():
+            out.write(f"  {name:22} {version}\n")
+        out.write("Backends\n")
+        for name, available in report["backends"].items():
+            out.write(f"  {name:22} {available}\n")
+        _write_doctor_plugins(report, out)
+        _write_doctor_conflicts(report, out)
+        _write_doctor_handlers(report, out)
+    _write_errors(errors, out)
     return 0
 
 

@@ -14,12 +14,16 @@ from __future__ import annotations
 from physicsnemo.domain_parallel.shard_utils.patch_core import MissingShardPatch
 
 __all__ = [
+    "IncompatiblePluginError",
     "InvalidPatchDeclaration",
     "MissingShardPatch",
     "PatchConflictError",
     "PluginLoadError",
+    "PluginNameClash",
     "ShardextError",
     "ShardextWarning",
+    "UndeclaredPatchError",
+    "describe_exception",
 ]
 
 
@@ -63,16 +67,115 @@ class PatchConflictError(ShardextError):
         )
 
 
-class PluginLoadError(ShardextError):
-    """A plugin failed to import, raised in a hook, or declared something invalid (strict mode)."""
+def describe_exception(error: BaseException) -> str:
+    """``Type: message`` of any exception, even one whose ``__str__`` itself raises.
 
-    def __init__(self, plugin: str, distribution: str, version: str, stage: str, cause: BaseException) -> None:
+    >>> describe_exception(SystemExit(3)), describe_exception(GeneratorExit())
+    ('SystemExit: 3', 'GeneratorExit')
+    >>> class Rude(Exception):
+    ...     def __str__(self):
+    ...         raise SystemExit(1)
+    >>> describe_exception(Rude())
+    'Rude: <unprintable Rude>'
+    """
+    try:
+        message = str(error)
+    except BaseException as inner:  # a plugin's exception must not break (or exit) the report about it
+        if type(inner) is KeyboardInterrupt:  # a real Ctrl-C still interrupts, as in the loader
+            raise
+        message = f"<unprintable {type(error).__name__}>"
+    name = type(error).__name__
+    return f"{name}: {message}" if message else name
+
+
+class PluginLoadError(ShardextError):
+    """A plugin failed to import, raised in a hook, or declared something invalid (strict mode).
+
+    ``detail`` is appended to the message (e.g. that registry writes were rolled back).
+    ``cause`` is whatever the plugin raised (any ``BaseException``, ``SystemExit``
+    included), or one of :class:`UndeclaredPatchError`, :class:`PluginNameClash`,
+    :class:`IncompatiblePluginError` for problems the framework found itself.
+
+    >>> str(PluginLoadError("demo", "demo-dist", "1.0", "import", SystemExit(3)))
+    "plugin 'demo' from demo-dist==1.0 failed during import: SystemExit: 3 (a BaseException: contained, loading a plugin never ends the program)"
+    """
+
+    def __init__(
+        self, plugin: str, distribution: str, version: str, stage: str, cause: BaseException, *, detail: str = ""
+    ) -> None:
         self.plugin = plugin
         self.distribution = distribution
         self.version = version
         self.stage = stage
         self.cause = cause
+        # Say why an exit did not exit: the plugin author would otherwise expect it to.
+        note = "" if isinstance(cause, Exception) else " (a BaseException: contained, loading a plugin never ends the program)"
         super().__init__(
             f"plugin {plugin!r} from {distribution}=={version} failed during {stage}: "
-            f"{type(cause).__name__}: {cause}"
+            f"{describe_exception(cause)}{note}{'; ' + detail if detail else ''}"
         )
+
+
+class UndeclaredPatchError(ShardextError):
+    """A plugin wrote into ShardTensor's registries itself instead of declaring patches.
+
+    Found by comparing snapshots taken around the plugin's import and hook calls;
+    the writes are rolled back before the error is reported.
+
+    >>> str(UndeclaredPatchError(["_function_registry[torch.roll]: added m.h"], ["patches.function(torch.roll, m.h)"]))
+    "wrote into ShardTensor's registries outside the hooks (_function_registry[torch.roll]: added m.h); the writes were rolled back. Declare the patch in a shardext_declare_patches hook instead: patches.function(torch.roll, m.h), with override=True where it replaces an existing handler"
+    """
+
+    def __init__(self, changes: list[str], hints: list[str]) -> None:
+        self.changes = list(changes)
+        self.hints = list(hints)
+        how = "; ".join(hints) or "patches.function/dispatch/named/replace_attribute"
+        super().__init__(
+            f"wrote into ShardTensor's registries outside the hooks ({'; '.join(changes)}); the writes were "
+            f"rolled back. Declare the patch in a shardext_declare_patches hook instead: {how}, "
+            "with override=True where it replaces an existing handler"
+        )
+
+
+class PluginNameClash(ShardextError):
+    """Two distributions publish a plugin under the same entry-point name.
+
+    A plugin is identified by (distribution, entry-point name); since users select
+    plugins by name (``SHARDEXT_DISABLE``, ``SHARDEXT_PREFER``), a name must belong
+    to one distribution.
+
+    >>> str(PluginNameClash("pointwise", ["evil-dist"], owner="physicsnemo-shardext", owner_kind="a first-party plugin"))
+    "the name 'pointwise' belongs to a first-party plugin of physicsnemo-shardext and cannot be taken by evil-dist; publish the entry point under another name"
+    >>> str(PluginNameClash("fast", ["b-dist", "a-dist"]))
+    "distributions a-dist and b-dist both publish a plugin named 'fast', so neither is loaded; keep one with SHARDEXT_DISABLE=a-dist or SHARDEXT_DISABLE=b-dist, or rename one entry point"
+    """
+
+    def __init__(self, plugin: str, distributions: list[str], *, owner: str | None = None, owner_kind: str = "") -> None:
+        self.plugin = plugin
+        self.distributions = sorted(distributions)
+        self.owner = owner
+        if owner is not None:
+            message = (
+                f"the name {plugin!r} belongs to {owner_kind or 'a plugin'} of {owner} and cannot be taken by "
+                f"{' and '.join(self.distributions)}; publish the entry point under another name"
+            )
+        else:
+            names = " and ".join(self.distributions)
+            keep = " or ".join(f"SHARDEXT_DISABLE={d}" for d in self.distributions)
+            message = (
+                f"distributions {names} both publish a plugin named {plugin!r}, so neither is loaded; "
+                f"keep one with {keep}, or rename one entry point"
+            )
+        super().__init__(message)
+
+
+class IncompatiblePluginError(ShardextError):
+    """A plugin's ``shardext_requirements`` are not met (an error in strict mode only).
+
+    >>> str(IncompatiblePluginError("requires torch<1.0, but torch 2.5 is installed"))
+    'it requires torch<1.0, but torch 2.5 is installed, so it was skipped'
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"it {reason}, so it was skipped")

@@ -3,16 +3,49 @@
 For every entry point in the ``physicsnemo_shardext`` group the loader:
 
 1. applies the user's allow/deny lists (``SHARDEXT_ONLY``, ``SHARDEXT_DISABLE``);
-2. imports it and registers it with pluggy;
-3. asks its ``shardext_requirements`` hook and skips it if a range is not met;
-4. collects its ``shardext_declare_patches`` into a fresh
+2. checks the plugin's identity, (distribution, entry-point name), against every
+   other plugin's (see *Names* below);
+3. imports it and registers it with pluggy;
+4. asks its ``shardext_requirements`` hook and skips it if a range is not met;
+5. collects its ``shardext_declare_patches`` into a fresh
    :class:`~physicsnemo_shardext.declarations.PatchSet`;
-5. hands the whole set to the :class:`~physicsnemo_shardext.registry.PatchRegistry`.
+6. hands the whole set to the :class:`~physicsnemo_shardext.registry.PatchRegistry`.
 
-A failure at any step unregisters the plugin, leaves the registries exactly as
-they were, warns with the distribution, version and exception (or raises
-:class:`~physicsnemo_shardext.errors.PluginLoadError` in strict mode), and the
-next plugin loads as usual.
+**Failures.** Whatever a plugin raises during steps 3-6 -- any ``Exception``, and
+also ``SystemExit``, ``GeneratorExit``, subclasses of ``KeyboardInterrupt`` and
+any other ``BaseException`` -- unregisters the plugin, leaves the registries
+exactly as they were before it, warns with the distribution, version and
+exception (or raises :class:`~physicsnemo_shardext.errors.PluginLoadError` in
+strict mode), and the next plugin loads as usual.
+
+**Interrupts.** The one exception that is not contained is a real Ctrl-C. Python's
+default SIGINT handler raises exactly ``KeyboardInterrupt``, in whatever code runs
+at that moment (often a plugin's import), so the rule is: an exception whose type
+*is* ``KeyboardInterrupt`` propagates (after the plugin being loaded is rolled
+back); a subclass of it is a plugin's own exception and is contained. A plugin
+that raises a bare ``KeyboardInterrupt`` itself cannot be told apart from the
+user and interrupts too.
+
+**Writes that bypass the hooks.** ShardTensor's four registries (and the attribute
+slots the framework manages) are snapshotted before each plugin and compared
+after its import and after each hook. Any difference is the plugin's own write
+(``ShardTensor.register_function_handler(...)``, a direct dict write): it is
+rolled back at once, so it never reaches the next plugin, and the plugin fails
+with an :class:`~physicsnemo_shardext.errors.UndeclaredPatchError` that says
+which ``patches.*`` declaration to use instead. Only the framework's install
+(step 6) writes into the registries.
+
+**Names.** A plugin is identified by (distribution, entry-point name); names are
+compared like user selectors (case and ``-``/``_`` ignored). Entry-point names
+declared by ``physicsnemo-shardext`` itself are reserved: another distribution
+publishing one is refused, and the first-party plugin loads normally. Two other
+distributions publishing one name are *both* refused (each report names both
+distributions), and a name already held by a plugin loaded earlier refuses the
+newcomer. None of this depends on the order entry points are discovered in.
+
+**Strict mode** (``SHARDEXT_STRICT=1``) raises ``PluginLoadError`` on anything but a
+clean load: a failure, a refused name, a bypassing write, and a plugin skipped as
+incompatible. Plugins the user blocked are not failures.
 
 Example:
     >>> import types
@@ -26,31 +59,54 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
-from physicsnemo_shardext import hookspecs
+from physicsnemo_shardext import hookspecs, shard_registries
 from physicsnemo_shardext.compat import incompatibility
 from physicsnemo_shardext.declarations import PatchSet
-from physicsnemo_shardext.errors import PluginLoadError, ShardextWarning
-from physicsnemo_shardext.markers import PROJECT_NAME
+from physicsnemo_shardext.errors import (
+    IncompatiblePluginError,
+    PluginLoadError,
+    PluginNameClash,
+    ShardextWarning,
+    UndeclaredPatchError,
+)
+from physicsnemo_shardext.markers import DISTRIBUTION_NAME, PROJECT_NAME
 from physicsnemo_shardext.provenance import LoadStatus, PluginInfo, PluginReport
 from physicsnemo_shardext.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
+from physicsnemo_shardext.shard_registries import RegistryChange, RegistrySnapshot
+from physicsnemo_shardext.targets import describe_handler, describe_target
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginLoader", "discover_entry_points", "plugin_info_for"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PluginLoader",
+    "describe_change",
+    "discover_entry_points",
+    "first_party_names",
+    "is_user_interrupt",
+    "name_clashes",
+    "plugin_info_for",
+]
 
 ENTRY_POINT_GROUP = PROJECT_NAME
+NAME_CHECK_STAGE = "name check"
 
 
 def discover_entry_points(group: str = ENTRY_POINT_GROUP) -> list[metadata.EntryPoint]:
     """Entry points of ``group`` from every installed distribution, sorted by name.
 
     A distribution visible twice on ``sys.path`` contributes its entry points once.
+    The order is only for stable output: no loading decision depends on it.
     """
     seen: set[tuple[str, str]] = set()
     unique = []
@@ -74,6 +130,147 @@ def plugin_info_for(entry_point: metadata.EntryPoint) -> PluginInfo:
     )
 
 
+def is_user_interrupt(error: BaseException) -> bool:
+    """Whether ``error`` is a user's Ctrl-C (exactly ``KeyboardInterrupt``), which must propagate.
+
+    >>> class PluginPanic(KeyboardInterrupt): ...
+    >>> is_user_interrupt(KeyboardInterrupt()), is_user_interrupt(PluginPanic()), is_user_interrupt(SystemExit(3))
+    (True, False, False)
+    """
+    # SIGINT's default handler raises this exact type; a subclass can only come from a plugin.
+    return type(error) is KeyboardInterrupt
+
+
+def _plugin_name_key(name: str) -> str:
+    """Names are compared the way user selectors match them: case and ``-``/``_`` ignored."""
+    return name.strip().lower().replace("_", "-")
+
+
+def _distribution_key(name: str) -> str:
+    """PEP 503 normal form: ``Physicsnemo_Shardext`` and ``physicsnemo-shardext`` are one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _identity(info: PluginInfo) -> tuple[str, str]:
+    return (_distribution_key(info.distribution), info.name)
+
+
+def _is_first_party(info: PluginInfo) -> bool:
+    return _distribution_key(info.distribution) == _distribution_key(DISTRIBUTION_NAME)
+
+
+def first_party_names(group: str = ENTRY_POINT_GROUP) -> frozenset[str]:
+    """Normalised entry-point names that ``physicsnemo-shardext`` declares (reserved for it).
+
+    >>> "pointwise" in first_party_names()
+    True
+    """
+    try:
+        distribution = metadata.distribution(DISTRIBUTION_NAME)
+    except metadata.PackageNotFoundError:  # a source tree that is not installed declares none
+        return frozenset()
+    return frozenset(_plugin_name_key(ep.name) for ep in distribution.entry_points if ep.group == group)
+
+
+def name_clashes(
+    candidates: Sequence[PluginInfo], loaded: Iterable[PluginInfo], reserved: Collection[str]
+) -> dict[PluginInfo, PluginNameClash]:
+    """The candidates that may not load because their name belongs to another distribution.
+
+    The answer depends on the set of candidates only, never on their order:
+
+    * a name already held by a loaded plugin refuses every candidate of another distribution;
+    * a ``reserved`` (first-party) name refuses every candidate not from ``physicsnemo-shardext``;
+    * otherwise a name published by several distributions refuses all of them.
+
+    >>> a, b = PluginInfo("fast", "a-dist", "1"), PluginInfo("fast", "b-dist", "1")
+    >>> sorted(info.distribution for info in name_clashes([b, a], [], reserved=()))
+    ['a-dist', 'b-dist']
+    >>> list(name_clashes([PluginInfo("pointwise", "evil-dist", "1")], [], reserved={"pointwise"}).values())[0].owner
+    'physicsnemo-shardext'
+    """
+    by_name: dict[str, list[PluginInfo]] = defaultdict(list)
+    for info in candidates:
+        by_name[_plugin_name_key(info.name)].append(info)
+    holders = {_plugin_name_key(info.name): info for info in loaded}
+    refused: dict[PluginInfo, PluginNameClash] = {}
+    for name, infos in by_name.items():
+        if name in holders:
+            refused.update(_refuse_taken(infos, holders[name]))
+        elif name in reserved:
+            refused.update(_refuse_taken(infos, None))
+        elif len({_distribution_key(info.distribution) for info in infos}) > 1:
+            distributions = sorted({info.distribution for info in infos})
+            refused.update({info: PluginNameClash(info.name, distributions) for info in infos})
+    return refused
+
+
+def _refuse_taken(infos: Iterable[PluginInfo], holder: PluginInfo | None) -> dict[PluginInfo, PluginNameClash]:
+    """Refuse each of ``infos`` not from the owner of the name (``holder``, or first party when ``None``)."""
+    if holder is None or _is_first_party(holder):
+        owner, kind = DISTRIBUTION_NAME, "a first-party plugin"
+    else:
+        owner, kind = holder.distribution, "an already loaded plugin"
+    return {
+        info: PluginNameClash(info.name, [info.distribution], owner=owner, owner_kind=kind)
+        for info in infos
+        if _distribution_key(info.distribution) != _distribution_key(owner)
+    }
+
+
+def describe_change(change: RegistryChange) -> str:
+    """One line naming a registry entry a plugin changed, for messages.
+
+    >>> import torch
+    >>> describe_change(RegistryChange("_function_registry", torch.roll, None, print))
+    '_function_registry[torch.roll]: added builtins.print'
+    """
+    if change.key is None:
+        return f"ShardTensor.{change.table} rebound to another dict"
+    where = f"{change.table}[{describe_target(change.key)}]"
+    if change.before is None:
+        return f"{where}: added {describe_handler(change.after)}"
+    if change.after is None:
+        return f"{where}: removed {describe_handler(change.before)}"
+    return f"{where}: {describe_handler(change.before)} replaced by {describe_handler(change.after)}"
+
+
+def _declaration_hint(change: RegistryChange) -> str | None:
+    """The ``patches.*`` call that declares what ``change`` wrote (``None`` for removals and rebinding)."""
+    if change.key is None or change.after is None:
+        return None
+    target, handler = describe_target(change.key), describe_handler(change.after)
+    if change.table == "_function_registry":
+        return f"patches.function({target}, {handler})"
+    if change.table == "_named_function_registry":
+        return f'patches.named("{target}", {handler})'
+    if change.table in ("_dispatch_registry", "_dispatch_registry_by_name"):
+        return f"patches.dispatch(torch.ops.{target}, {handler})"
+    owner, _, name = target.rpartition(".")
+    return f'patches.replace_attribute({owner}, "{name}", {handler}, reason=...)'
+
+
+def undeclared_patch_error(changes: Sequence[RegistryChange]) -> UndeclaredPatchError:
+    """The error reporting registry writes a plugin made itself, with the declarations to use instead."""
+    hints = dict.fromkeys(h for h in map(_declaration_hint, changes) if h is not None)
+    return UndeclaredPatchError([describe_change(c) for c in changes], list(hints))
+
+
+_NOT_IMPORTED = object()
+
+
+@dataclass
+class _Attempt:
+    """One plugin's load in progress: how far it got and what undoing it must put back."""
+
+    info: PluginInfo
+    before: RegistrySnapshot
+    held_before: frozenset[str]
+    stage: str = "import"
+    plugin: Any = _NOT_IMPORTED
+    was_registered: bool = True
+
+
 class PluginLoader:
     """Loads plugins into a :class:`PatchRegistry`, one at a time, each in isolation."""
 
@@ -84,57 +281,130 @@ class PluginLoader:
         self.plugin_manager.add_hookspecs(hookspecs)
 
     def load_entry_points(self, entry_points: Iterable[metadata.EntryPoint] | None = None) -> list[PluginReport]:
-        """Load the given entry points (default: all discovered ones); returns one report each."""
+        """Load the given entry points (default: all discovered ones); returns one report each.
+
+        A plugin already loaded under the same identity is skipped without a report,
+        so calling this twice is a no-op for what loaded the first time.
+        """
         if entry_points is None:
             entry_points = discover_entry_points()
-        reports = []
-        already_loaded = {info.name for info in self.registry.plugins()}
+        reports: list[PluginReport] = []
+        pending = self._pending(entry_points, reports)
+        clashes = name_clashes(
+            [info for _, info in pending],
+            self.registry.plugins(),
+            first_party_names() | {_plugin_name_key(info.name) for _, info in pending if _is_first_party(info)},
+        )
+        # Refusals first, in a fixed order, so strict mode stops on the same one whatever the discovery order.
+        for info in sorted(clashes, key=lambda i: (i.name, i.distribution)):
+            reports.append(self._fail(info, NAME_CHECK_STAGE, clashes[info]))
+        for entry_point, info in pending:
+            if info not in clashes:
+                reports.append(self._load(info, entry_point.load))
+        return reports
+
+    def load_plugin(self, plugin: Any, info: PluginInfo) -> PluginReport:
+        """Register an already-imported plugin object (module, class or instance).
+
+        Its hooks are guarded like an entry point's (any ``BaseException`` contained,
+        registry writes rolled back); there is no name check, as it has no distribution.
+        """
+        blocked = self._blocked_reason(info)
+        if blocked is not None:
+            return self._report(PluginReport(info, LoadStatus.BLOCKED, blocked))
+        return self._load(info, None, plugin)
+
+    # -- one plugin --------------------------------------------------------------------------
+    def _pending(
+        self, entry_points: Iterable[metadata.EntryPoint], reports: list[PluginReport]
+    ) -> list[tuple[metadata.EntryPoint, PluginInfo]]:
+        """Entry points still to load: not loaded already, not duplicated, not blocked (reported here)."""
+        seen = {_identity(info) for info in self.registry.plugins()}
+        pending = []
         for entry_point in entry_points:
             info = plugin_info_for(entry_point)
-            if info.name in already_loaded:
+            if _identity(info) in seen:
                 continue  # loading twice (e.g. a second load_plugins() call) is a no-op
+            seen.add(_identity(info))
             blocked = self._blocked_reason(info)
             if blocked is not None:
                 reports.append(self._report(PluginReport(info, LoadStatus.BLOCKED, blocked)))
                 continue
-            try:
-                plugin = entry_point.load()
-            except Exception as error:  # any import-time failure is the plugin's, not ours
-                reports.append(self._fail(info, "import", error))
-                continue
-            reports.append(self.load_plugin(plugin, info))
-        return reports
+            pending.append((entry_point, info))
+        return pending
 
-    def load_plugin(self, plugin: Any, info: PluginInfo) -> PluginReport:
-        """Register an already-imported plugin object (module, class or instance)."""
-        blocked = self._blocked_reason(info)
-        if blocked is not None:
-            return self._report(PluginReport(info, LoadStatus.BLOCKED, blocked))
-        stage = "register"
+    def _load(self, info: PluginInfo, obtain: Callable[[], Any] | None, plugin: Any = _NOT_IMPORTED) -> PluginReport:
+        """Run every stage for one plugin; on any failure put everything back and report it."""
+        attempt = _Attempt(info, shard_registries.snapshot(), frozenset(p.name for p in self.registry.plugins()))
+        attempt.plugin = plugin
         try:
-            self.plugin_manager.register(plugin, name=info.name)
-        except Exception as error:
-            return self._fail(info, stage, error)
-        try:
-            self.plugin_manager.check_pending()
-            stage = "shardext_requirements"
-            reason = incompatibility(self._requirements(plugin))
-            if reason is not None:
-                self.plugin_manager.unregister(plugin)
-                warnings.warn(
-                    f"skipping plugin {info.label}: it {reason}", ShardextWarning, stacklevel=2
-                )
-                return self._report(PluginReport(info, LoadStatus.INCOMPATIBLE, reason, stage=stage))
-            stage = "shardext_declare_patches"
-            patches = PatchSet(plugin=info.name)
-            self._hook_for(plugin, "shardext_declare_patches")(patches=patches)
-            stage = "install"
-            self.registry.add_plugin(info, list(patches))
-        except Exception as error:
-            self.plugin_manager.unregister(plugin)
-            return self._fail(info, stage, error)
+            report = self._run_stages(attempt, obtain)
+        except BaseException as error:  # SystemExit & co. included: a plugin never ends the program
+            stray = self._undo(attempt)
+            if is_user_interrupt(error):
+                raise
+            return self._fail(info, attempt.stage, error, stray)
+        if report.status is LoadStatus.INCOMPATIBLE:
+            self._skip_incompatible(report)
+        return report
+
+    def _run_stages(self, attempt: _Attempt, obtain: Callable[[], Any] | None) -> PluginReport:
+        info = attempt.info
+        if obtain is not None:
+            attempt.plugin = obtain()
+            self._check_untouched(attempt)
+        plugin = attempt.plugin
+        attempt.stage = "register"
+        attempt.was_registered = self.plugin_manager.is_registered(plugin)
+        self.plugin_manager.register(plugin, name=info.name)
+        self.plugin_manager.check_pending()
+        attempt.stage = "shardext_requirements"
+        requirements = self._requirements(plugin)
+        self._check_untouched(attempt)
+        reason = incompatibility(requirements)
+        if reason is not None:
+            self._unregister(attempt)
+            return self._report(PluginReport(info, LoadStatus.INCOMPATIBLE, reason, stage=attempt.stage))
+        attempt.stage = "shardext_declare_patches"
+        patches = PatchSet(plugin=info.name)
+        self._hook_for(plugin, "shardext_declare_patches")(patches=patches)
+        self._check_untouched(attempt)
+        attempt.stage = "install"
+        self.registry.add_plugin(info, list(patches))
         extra = {"not_applicable": list(patches.not_applicable)} if patches.not_applicable else {}
         return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches), extra=extra))
+
+    @staticmethod
+    def _check_untouched(attempt: _Attempt) -> None:
+        """Raise if the plugin wrote into ShardTensor's registries itself (rolled back by the caller)."""
+        changes = attempt.before.changes(shard_registries.snapshot())
+        if changes:
+            raise undeclared_patch_error(changes)
+
+    def _undo(self, attempt: _Attempt) -> list[str]:
+        """Unregister, uninstall and restore the registries; returns the plugin's own writes undone."""
+        self._unregister(attempt)
+        if attempt.info.name not in attempt.held_before and attempt.info.name in {p.name for p in self.registry.plugins()}:
+            self.registry.remove_plugin(attempt.info.name)  # interrupted or failed after the install
+        stray = [] if attempt.stage == "install" else attempt.before.changes(shard_registries.snapshot())
+        shard_registries.restore(attempt.before)
+        return [describe_change(change) for change in stray]
+
+    def _unregister(self, attempt: _Attempt) -> None:
+        if attempt.plugin is _NOT_IMPORTED or attempt.was_registered:
+            return
+        # Best effort: the plugin manager is private to this loader, and comparing a
+        # plugin object may run its own (possibly broken) __eq__.
+        with contextlib.suppress(Exception):
+            if self.plugin_manager.is_registered(attempt.plugin):
+                self.plugin_manager.unregister(attempt.plugin)
+
+    def _skip_incompatible(self, report: PluginReport) -> None:
+        info = report.plugin
+        if self.settings.strict:
+            cause = IncompatiblePluginError(report.reason)
+            raise PluginLoadError(info.name, info.distribution, info.version, report.stage, cause)
+        warnings.warn(f"skipping plugin {info.label}: it {report.reason}", ShardextWarning, stacklevel=4)
 
     # -- internals -------------------------------------------------------------------------
     def _hook_for(self, plugin: Any, hook_name: str) -> Any:
@@ -162,10 +432,14 @@ class PluginLoader:
         self.registry.record_report(report)
         return report
 
-    def _fail(self, info: PluginInfo, stage: str, error: BaseException) -> PluginReport:
-        failure = PluginLoadError(info.name, info.distribution, info.version, stage, error)
+    def _fail(self, info: PluginInfo, stage: str, error: BaseException, stray: Sequence[str] = ()) -> PluginReport:
+        """Record a failure; warn, or raise :class:`PluginLoadError` in strict mode."""
+        detail = ""
+        if stray and not isinstance(error, UndeclaredPatchError):
+            detail = f"its writes into ShardTensor's registries outside the hooks were rolled back ({'; '.join(stray)})"
+        failure = PluginLoadError(info.name, info.distribution, info.version, stage, error, detail=detail)
         report = self._report(PluginReport(info, LoadStatus.FAILED, str(failure), stage=stage))
         if self.settings.strict:
             raise failure from error
-        warnings.warn(f"{failure}; its patches were not installed", ShardextWarning, stacklevel=3)
+        warnings.warn(f"{failure}; its patches were not installed", ShardextWarning, stacklevel=4)
         return report

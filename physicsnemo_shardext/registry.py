@@ -59,7 +59,8 @@ class _RegistryState:
     conflicts: list[Conflict] = field(default_factory=list)
     disabled_plugins: tuple[str, ...] = ()
     disabled_targets: frozenset[SlotKey] = frozenset()
-    reports: dict[str, PluginReport] = field(default_factory=dict)
+    # Keyed by identity, (distribution, entry-point name): two distributions may report the same name.
+    reports: dict[tuple[str, str], PluginReport] = field(default_factory=dict)
     # (plugin name, slot): each plugin is told once per built-in it overrides.
     warned_overrides: set[tuple[str, SlotKey]] = field(default_factory=set)
     warned_conflicts: set[Conflict] = field(default_factory=set)
@@ -100,12 +101,16 @@ class PatchRegistry:
         return list(self._state.conflicts)
 
     def reports(self) -> list[PluginReport]:
-        """Load reports (loaded, failed, blocked, incompatible) in name order."""
-        return sorted(self._state.reports.values(), key=lambda r: r.plugin.name)
+        """Load reports (loaded, failed, blocked, incompatible) in (name, distribution) order."""
+        return sorted(self._state.reports.values(), key=lambda r: (r.plugin.name, r.plugin.distribution))
 
     def record_report(self, report: PluginReport) -> None:
-        """Remember what happened when loading a plugin (used by the loader)."""
-        self._state.reports[report.plugin.name] = report
+        """Remember what happened when loading a plugin (used by the loader).
+
+        One report per plugin identity, (distribution, name): a later report for the
+        same identity replaces the earlier one, another distribution's is kept beside it.
+        """
+        self._state.reports[(report.plugin.distribution, report.plugin.name)] = report
 
     def prior_handler(self, target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) -> Callable | None:
         """The handler ShardTensor held for ``target`` before any plugin replaced it."""
@@ -124,7 +129,10 @@ class PatchRegistry:
         """
         declarations = tuple(declarations)
         if plugin.name in self._state.plugins:
-            raise InvalidPatchDeclaration(plugin.name, "<plugin>", "a plugin with this name is already loaded")
+            holder = self._state.plugins[plugin.name][0]
+            raise InvalidPatchDeclaration(
+                plugin.name, "<plugin>", f"a plugin with this name is already loaded, from {holder.distribution}"
+            )
         for declaration in declarations:
             self._check_override(plugin, declaration)
         candidate = copy.copy(self._state)

@@ -6,7 +6,8 @@ Variable               Meaning
 ``SHARDEXT_AUTOLOAD``  ``0``/``false``/``no``/``off``: do not load plugins on import
 ``SHARDEXT_DISABLE``   comma-separated plugin or distribution names never to load
 ``SHARDEXT_ONLY``      comma-separated allow-list: load only these plugins
-``SHARDEXT_STRICT``    ``1``: a failing plugin or unresolved conflict raises
+``SHARDEXT_STRICT``    ``1``: anything but a clean load (failed, refused name, direct registry
+                       write, incompatible) or an unresolved conflict raises
 ``SHARDEXT_PREFER``    comma-separated names, most preferred first, breaking equal-priority ties
 ``SHARDEXT_TRACE``     ``1``: log every handler decision (``op -> handler -> plugin``)
 =====================  =====================================================
@@ -29,7 +30,10 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "SHARDEXT_AUTOLOAD": "0/false/no/off: do not discover and install plugins on import",
     "SHARDEXT_DISABLE": "comma-separated plugin (entry-point) or distribution names never to load",
     "SHARDEXT_ONLY": "comma-separated allow-list of plugin or distribution names; others are blocked",
-    "SHARDEXT_STRICT": "1: a failing plugin or an unresolved conflict raises instead of warning",
+    "SHARDEXT_STRICT": (
+        "1: a plugin that does not load cleanly (failed, name refused, wrote into the registries itself, "
+        "or incompatible) or an unresolved conflict raises instead of warning; blocked plugins are fine"
+    ),
     "SHARDEXT_PREFER": "comma-separated plugin or distribution names, most preferred first, breaking ties",
     "SHARDEXT_TRACE": "1: wrap installed handlers and log 'op -> handler -> plugin' decisions",
 }

@@ -38,6 +38,7 @@ from physicsnemo.domain_parallel import ShardTensor
 __all__ = [
     "AttributeTarget",
     "PatchLevel",
+    "RegistryChange",
     "RegistrySnapshot",
     "current_handler",
     "iter_handlers",
@@ -56,6 +57,10 @@ REGISTRY_ATTRIBUTES: tuple[str, ...] = (
     "_dispatch_registry",
     "_dispatch_registry_by_name",
 )
+
+# The dict objects ShardTensor held when this module was imported: PhysicsNeMo reads the
+# registries through the class, so a rebound attribute is put back to its original dict.
+_ORIGINAL_TABLES: dict[str, dict[Any, Callable]] = {name: getattr(ShardTensor, name) for name in REGISTRY_ATTRIBUTES}
 
 
 class PatchLevel(str, Enum):
@@ -150,10 +155,32 @@ def _table(level: PatchLevel | str) -> dict[Any, Callable]:
 
 
 @dataclass(frozen=True)
+class RegistryChange:
+    """One entry that differs between two snapshots.
+
+    Attributes:
+        table: one of :data:`REGISTRY_ATTRIBUTES`, or ``"attributes"`` for a replaced attribute slot.
+        key: the entry's key (a callable, op name, ``OpOverload`` or :class:`AttributeTarget`);
+            ``None`` when the whole table attribute was rebound to another dict.
+        before: the value in the earlier snapshot (``None``: absent).
+        after: the value in the later snapshot (``None``: absent).
+    """
+
+    table: str
+    key: Any
+    before: Any
+    after: Any
+
+
+@dataclass(frozen=True)
 class RegistrySnapshot:
-    """An immutable copy of all four registries (plus replaced attributes, as ``"attributes"``), comparable with ``==``."""
+    """An immutable copy of all four registries (plus replaced attributes, as ``"attributes"``), comparable with ``==``.
+
+    ``rebound`` names the registry attributes that no longer hold ShardTensor's original dict.
+    """
 
     tables: tuple[tuple[str, tuple[tuple[Any, Callable], ...]], ...]
+    rebound: tuple[str, ...] = ()
 
     def as_dicts(self) -> dict[str, dict[Any, Callable]]:
         """Return the snapshot as ``{attribute: {key: handler}}``."""
@@ -163,38 +190,71 @@ class RegistrySnapshot:
         if not isinstance(other, RegistrySnapshot):
             return NotImplemented
         # Compare as dicts: insertion order is irrelevant to ShardTensor.
-        return self.as_dicts() == other.as_dicts()
+        return self.as_dicts() == other.as_dicts() and set(self.rebound) == set(other.rebound)
 
     def __hash__(self) -> int:  # pragma: no cover - snapshots are not used as keys
         return hash(tuple(name for name, _ in self.tables))
 
-    def difference(self, other: RegistrySnapshot) -> list[str]:
-        """Human-readable list of keys whose handler differs between two snapshots."""
-        mine, theirs = self.as_dicts(), other.as_dicts()
-        lines = []
+    def changes(self, later: RegistrySnapshot) -> list[RegistryChange]:
+        """Every entry whose value (compared by identity) differs in ``later``, table by table.
+
+        >>> before = snapshot()
+        >>> ShardTensor._named_function_registry["demo.op.default"] = print
+        >>> [(c.table, c.key, c.after) for c in before.changes(snapshot())]
+        [('_named_function_registry', 'demo.op.default', <built-in function print>)]
+        >>> restore(before)
+        """
+        mine, theirs = self.as_dicts(), later.as_dicts()
+        found = [
+            RegistryChange(name, None, _ORIGINAL_TABLES.get(name), None)
+            for name in REGISTRY_ATTRIBUTES
+            if name in later.rebound and name not in self.rebound
+        ]
         for name in (*REGISTRY_ATTRIBUTES, "attributes"):
             a, b = mine.get(name, {}), theirs.get(name, {})
-            for key in sorted(set(a) | set(b), key=str):
-                if a.get(key) is not b.get(key):
-                    lines.append(f"{name}[{key}]: {a.get(key)!r} != {b.get(key)!r}")
-        return lines
+            # Identity, not ==: a handler object with a lenient __eq__ must not hide a swap.
+            found.extend(
+                RegistryChange(name, key, a.get(key), b.get(key))
+                for key in sorted(set(a) | set(b), key=str)
+                if a.get(key) is not b.get(key)
+            )
+        return found
+
+    def difference(self, other: RegistrySnapshot) -> list[str]:
+        """Human-readable list of keys whose handler differs between two snapshots."""
+        return [f"{c.table}[{c.key}]: {c.before!r} != {c.after!r}" for c in self.changes(other)]
+
+
+def _rebound_tables() -> tuple[str, ...]:
+    return tuple(name for name in REGISTRY_ATTRIBUTES if getattr(ShardTensor, name, None) is not _ORIGINAL_TABLES[name])
+
+
+def _items(name: str) -> tuple[tuple[Any, Callable], ...]:
+    """The entries of one registry; a deleted or non-dict attribute reads as empty (and as rebound)."""
+    table = getattr(ShardTensor, name, None)
+    return tuple(table.items()) if isinstance(table, dict) else ()
 
 
 def snapshot() -> RegistrySnapshot:
     """Copy the four registries and the attributes currently replaced."""
     return RegistrySnapshot(
-        tables=tuple(
-            (name, tuple(getattr(ShardTensor, name).items())) for name in REGISTRY_ATTRIBUTES
-        )
-        + (("attributes", _replaced_attributes()),)
+        tables=tuple((name, _items(name)) for name in REGISTRY_ATTRIBUTES)
+        + (("attributes", _replaced_attributes()),),
+        rebound=_rebound_tables(),
     )
 
 
 def restore(snap: RegistrySnapshot) -> None:
-    """Make the four registries and every touched attribute equal to ``snap`` again (in place)."""
+    """Make the four registries and every touched attribute equal to ``snap`` again (in place).
+
+    A registry attribute rebound to another dict since gets ShardTensor's original dict back
+    (unless it was already rebound when ``snap`` was taken).
+    """
     for name, items in snap.tables:
         if name == "attributes":
             continue
+        if name not in snap.rebound or not isinstance(getattr(ShardTensor, name, None), dict):
+            setattr(ShardTensor, name, _ORIGINAL_TABLES[name])
         table = getattr(ShardTensor, name)
         table.clear()
         table.update(items)

@@ -37,7 +37,7 @@ def test_list_json_has_provenance_of_every_handler():
 def test_list_table_and_plugin_filter():
     text = run_cli("list", "--plugin", "pointwise")
     header = text.splitlines()[0].split()
-    assert header == ["TARGET", "LEVEL", "HANDLER", "PROVIDER", "DISTRIBUTION", "PRIORITY", "OVERRIDES"]
+    assert header == ["TARGET", "LEVEL", "HANDLER", "PROVIDER", "DISTRIBUTION", "PRIORITY", "OVERRIDES", "RECORDED"]
     assert "torch.nn.functional.silu" in text and "torch.nn.functional.conv2d" not in text
 
 
@@ -120,3 +120,185 @@ def test_attribute_replacement_is_listed_with_its_reason(pristine_registries):
         assert rows[0]["target"].endswith("Owner.value")
         assert "attribute" in run_cli("list", "--plugin", "attr-fix")
     assert Owner.value == 1
+
+
+# -- live handlers and drift ------------------------------------------------------------------
+def _rows(*argv):
+    data = json.loads(run_cli("list", "--json", *argv))
+    assert data["schema_version"] == 2 and data["errors"] == []
+    return {(r["target"], r["level"]): r for r in data["handlers"]}
+
+
+def test_list_shows_live_handler_next_to_recorded_one():
+    gelu = _rows()[("torch.nn.functional.gelu", "function")]
+    assert gelu["handler"] == gelu["recorded_handler"] == "physicsnemo_shardext.patches.pointwise.local_pointwise"
+    assert gelu["drift"] is False and gelu["drift_reason"] is None
+    assert run_cli("list", "--plugin", "pointwise").splitlines()[1].split()[-1] == "same"
+
+
+def test_trace_wrappers_are_not_drift(registry_snapshot):
+    import physicsnemo_shardext
+
+    registry = physicsnemo_shardext.get_registry()
+    registry.set_trace(True)
+    try:
+        gelu = _rows()[("torch.nn.functional.gelu", "function")]
+    finally:
+        registry.set_trace(False)
+    assert gelu["handler"].endswith("local_pointwise") and gelu["drift"] is False
+
+
+def _overwrite(func, types, args, kwargs):
+    """A handler written straight into ShardTensor's registry, bypassing the framework."""
+
+
+def test_direct_registry_write_over_a_plugin_slot_is_flagged(registry_snapshot):
+    import torch.nn.functional as F
+    from physicsnemo.domain_parallel import ShardTensor
+
+    ShardTensor._function_registry[F.gelu] = _overwrite
+    gelu = _rows()[("torch.nn.functional.gelu", "function")]
+    assert gelu["provider"] == "pointwise"  # provenance still names the plugin ...
+    assert gelu["handler"] == f"{__name__}._overwrite"  # ... but this is what ShardTensor calls
+    assert gelu["recorded_handler"].endswith("local_pointwise")
+    assert gelu["drift"] is True and "outside the framework" in gelu["drift_reason"]
+    text = run_cli("list", "--plugin", "pointwise")
+    assert "DRIFT (recorded: physicsnemo_shardext.patches.pointwise.local_pointwise)" in text
+    assert "Handlers ShardTensor calls that are not the recorded ones:" in text
+    doctor = json.loads(run_cli("doctor", "--json"))
+    assert [(d["target"], d["handler"]) for d in doctor.get("drift", doctor.get("drifted"))] == [("torch.nn.functional.gelu", f"{__name__}._overwrite")]
+    assert "DRIFT function torch.nn.functional.gelu: ShardTensor calls" in run_cli("doctor")
+
+
+def test_removed_plugin_slot_and_unrecorded_write_are_flagged(registry_snapshot):
+    import torch
+    import torch.nn.functional as F
+    from physicsnemo.domain_parallel import ShardTensor
+
+    del ShardTensor._function_registry[F.gelu]
+    ShardTensor._function_registry[torch.cumprod] = _overwrite  # no plugin, no built-in
+    rows = _rows()
+    gelu, cumprod = rows[("torch.nn.functional.gelu", "function")], rows[("torch.cumprod", "function")]
+    assert gelu["handler"] is None and gelu["drift"] is True and "removed" in gelu["drift_reason"]
+    assert cumprod["provider"] == "external" and cumprod["recorded_handler"] is None
+    assert cumprod["drift"] is True and "outside the framework" in cumprod["drift_reason"]
+
+
+def test_replaced_builtin_is_flagged(registry_snapshot):
+    import torch
+    from physicsnemo.domain_parallel import ShardTensor
+
+    ShardTensor._function_registry[torch.unbind] = _overwrite
+    unbind = _rows()[("torch.unbind", "function")]
+    assert unbind["recorded_handler"].startswith("physicsnemo.") and unbind["drift"] is True
+    assert "built-in" in unbind["drift_reason"] and "outside the framework" in unbind["drift_reason"]
+
+
+# -- plugins never kill the command -------------------------------------------------------------
+def test_anything_raised_while_inspecting_is_reported(monkeypatch):
+    import sys as _sys
+
+    from physicsnemo_shardext import inventory
+
+    monkeypatch.setattr(inventory, "handler_rows", lambda *args: _sys.exit(4))
+    out = io.StringIO()
+    assert main(["list", "--json"], out=out) == 0
+    data = json.loads(out.getvalue())
+    assert data["handlers"] == [] and data["plugins"]  # the rest of the report is still there
+    assert data["errors"] == ["reading ShardTensor's registries: SystemExit: 4"]
+    assert "reading ShardTensor's registries: SystemExit: 4" in run_cli("list")
+
+    monkeypatch.setattr(inventory, "doctor_report", lambda *args: (_ for _ in ()).throw(GeneratorExit("gone")))
+    assert "building the report: GeneratorExit: gone" in run_cli("doctor")
+    assert json.loads(run_cli("doctor", "--json"))["errors"] == ["building the report: GeneratorExit: gone"]
+
+
+def test_a_real_ctrl_c_still_interrupts(monkeypatch):
+    import pytest
+
+    from physicsnemo_shardext import inventory
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inventory, "handler_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["list"], out=io.StringIO())
+
+
+def test_import_time_load_errors_reach_the_report(monkeypatch, capfd):
+    from physicsnemo_shardext import cli
+
+    monkeypatch.setattr(cli, "_EARLY_ERRORS", [])
+
+    def chatty_failing_load():
+        print("plugin says hi")
+        os.write(1, b"raw plugin bytes\n")
+        raise SystemExit(3)
+
+    cli.autoload_for_cli(chatty_failing_load)
+    captured = capfd.readouterr()
+    assert captured.out == "" and "plugin says hi" in captured.err and "raw plugin bytes" in captured.err
+    data = json.loads(run_cli("list", "--json"))
+    assert data["errors"] == ["loading plugins: SystemExit: 3"]
+
+
+def test_started_as_cli():
+    from physicsnemo_shardext.cli import started_as_cli
+
+    assert started_as_cli(["C:/venv/Scripts/shardext.exe"], [])
+    assert started_as_cli(["-m"], ["python", "-mphysicsnemo_shardext.cli"])
+    assert not started_as_cli(["-m"], ["python", "-m", "pytest"])
+
+
+def _console(argv, folder, **env):
+    script = Path(sys.executable).with_name("shardext")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDEXT_")}
+    full_env.update(PYTHONPATH=str(folder), **env)
+    return subprocess.run([str(script), *argv], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def _init_routes_autoload_through_cli() -> bool:
+    import physicsnemo_shardext
+
+    return "autoload_for_cli" in Path(physicsnemo_shardext.__file__).read_text()
+
+
+CHATTY = """
+import os, sys
+print("chatty: hello at import")
+os.write(1, b"chatty: raw bytes at import\\n")
+from physicsnemo_shardext import hookimpl
+@hookimpl
+def shardext_declare_patches(patches):
+    print("chatty: hello from the hook")
+"""
+
+
+def test_printing_plugin_keeps_list_json_parseable(tmp_path):
+    import pytest
+
+    if not _init_routes_autoload_through_cli():
+        pytest.xfail("physicsnemo_shardext/__init__.py loads plugins before the CLI can guard stdout")
+    write_plugin_distribution(tmp_path, "chatty-dist", "1.0", {"chatty": "chatty_cli"}, {"chatty_cli": CHATTY})
+    for argv in (["list", "--json"], ["doctor", "--json"]):
+        result = _console(argv, tmp_path)
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["schema_version"] == 2
+        assert "chatty: hello at import" in result.stderr and "chatty: raw bytes at import" in result.stderr
+        assert "chatty: hello from the hook" in result.stderr
+    assert any(p["plugin"] == "chatty" and p["status"] == "loaded" for p in json.loads(result.stdout)["plugin_details"])
+
+
+def test_plugin_calling_sys_exit_at_import_does_not_kill_list_or_doctor(tmp_path):
+    exits = "import sys\nprint('exiting')\nsys.exit(3)\n"
+    write_plugin_distribution(tmp_path, "exiter-dist", "0.1", {"exiter": "exiter_cli"}, {"exiter_cli": exits})
+    listing = _console(["list"], tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    assert "exiter-dist" in listing.stdout and "SystemExit: 3" in listing.stdout
+    doctor = _console(["doctor"], tmp_path)
+    assert doctor.returncode == 0, doctor.stderr
+    assert "exiter (exiter-dist==0.1)" in doctor.stdout and "SystemExit" in doctor.stdout
+    data = json.loads(_console(["doctor", "--json"], tmp_path).stdout.split("exiting\n")[-1])
+    assert "exiter" in data["plugins"]["failed"]

@@ -7,7 +7,7 @@ from physicsnemo_shardext import PluginLoadError, ShardextWarning, shard_registr
 from physicsnemo_shardext.loader import PluginLoader, discover_entry_points
 from physicsnemo_shardext.provenance import LoadStatus
 from physicsnemo_shardext.settings import Settings
-from physicsnemo_shardext.testing.plugin_packages import entry_points_in, write_plugin_distribution
+from physicsnemo_shardext.testing.plugin_packages import entry_points_in, first_party_entry_points, write_plugin_distribution
 
 GOOD = """
 import torch
@@ -182,3 +182,327 @@ def test_loading_twice_is_a_no_op(site, fresh_registry):
     load(site, fresh_registry)
     assert load(site, fresh_registry) == {}
     assert [p.name for p in fresh_registry.plugins()] == ["good"]
+
+
+# -- plugins that end the program, interrupt it, or exit a generator -------------------------
+
+BASE_EXCEPTIONS = {
+    "exit-at-import": ("import sys\nsys.exit(3)\n", "import", "SystemExit: 3"),
+    "panic-at-import": (
+        "class PluginPanic(KeyboardInterrupt):\n    pass\nraise PluginPanic('plugin gave up')\n",
+        "import",
+        "PluginPanic: plugin gave up",
+    ),
+    "exit-in-hook": (
+        "import sys\nfrom physicsnemo_shardext import hookimpl\n"
+        "@hookimpl\ndef shardext_declare_patches(patches):\n    sys.exit(4)\n",
+        "shardext_declare_patches",
+        "SystemExit: 4",
+    ),
+    "generator-exit-in-requirements": (
+        "from physicsnemo_shardext import hookimpl\n"
+        "@hookimpl\ndef shardext_requirements():\n    raise GeneratorExit('closed')\n",
+        "shardext_requirements",
+        "GeneratorExit: closed",
+    ),
+}
+
+
+def by_identity(reports):
+    return {(r.plugin.distribution, r.plugin.name): r for r in reports}
+
+
+@pytest.mark.parametrize("case", sorted(BASE_EXCEPTIONS))
+def test_base_exceptions_are_contained_and_reported(site, fresh_registry, pristine_registries, case):
+    source, stage, named = BASE_EXCEPTIONS[case]
+    module = case.replace("-", "_") + "_mod"
+    install(site, f"{case}-dist", case, module, source, version="0.3")
+    install(site, "good-dist", "good", f"good_after_{module}", GOOD.format(tag="g", priority=0))
+    with pytest.warns(ShardextWarning, match=f"{case}-dist==0.3 failed during {stage}: {named}"):
+        reports = load(site, fresh_registry)
+    assert reports[case].status is LoadStatus.FAILED and reports[case].stage == stage
+    assert named in reports[case].reason and "contained" in reports[case].reason
+    assert reports["good"].status is LoadStatus.LOADED
+    fresh_registry.remove_plugin("good")
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_exception_that_cannot_be_printed_is_still_reported(site, fresh_registry):
+    rude = "class Rude(Exception):\n    def __str__(self):\n        raise SystemExit(1)\nraise Rude()\n"
+    install(site, "rude-dist", "rude", "rude_mod", rude)
+    with pytest.warns(ShardextWarning, match="failed during import: Rude: <unprintable Rude>"):
+        reports = load(site, fresh_registry)
+    assert reports["rude"].status is LoadStatus.FAILED
+
+
+def test_base_exception_is_fatal_in_strict_mode(site, fresh_registry, pristine_registries):
+    install(site, "exit-dist", "exit", "exit_strict_mod", BASE_EXCEPTIONS["exit-at-import"][0])
+    with pytest.raises(PluginLoadError, match="SystemExit: 3") as error:
+        load(site, fresh_registry, strict=True)
+    assert (error.value.plugin, error.value.distribution) == ("exit", "exit-dist")
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_exit_at_import_does_not_end_the_program(site, python_runner):
+    install(site, "exit-dist", "exit", "exit_subprocess_mod", "import sys\nsys.exit(3)\n", version="0.3")
+    install(site, "panic-dist", "panic", "panic_subprocess_mod", BASE_EXCEPTIONS["panic-at-import"][0])
+    code = (
+        "import physicsnemo_shardext as s\n"
+        "r = {x.plugin.name: x for x in s.get_registry().reports()}\n"
+        "print(r['exit'].status.value, r['panic'].status.value, r['pointwise'].status.value)\n"
+        "print('still running')\n"
+    )
+    result = python_runner(code, path=[str(site)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["failed failed loaded", "still running"]
+    assert "plugin 'exit' from exit-dist==0.3 failed during import: SystemExit: 3" in result.stderr
+
+
+INTERRUPTING = """
+import torch
+from physicsnemo.domain_parallel import ShardTensor
+def h(func, types, args, kwargs): ...
+ShardTensor.register_function_handler(torch.cumsum, h)   # rolled back before the interrupt propagates
+{interrupt}
+"""
+
+
+def test_user_keyboard_interrupt_still_propagates(site, fresh_registry, pristine_registries):
+    install(site, "ctrl-c-dist", "ctrl-c", "ctrl_c_mod", INTERRUPTING.format(interrupt="raise KeyboardInterrupt"))
+    with pytest.raises(KeyboardInterrupt):
+        load(site, fresh_registry)
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_real_sigint_during_import_propagates(site, fresh_registry, pristine_registries):
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt in this process")
+    sigint = "import signal, time\nsignal.raise_signal(signal.SIGINT)\ntime.sleep(30)"
+    install(site, "sigint-dist", "sigint", "sigint_mod", INTERRUPTING.format(interrupt=sigint))
+    with pytest.raises(KeyboardInterrupt):
+        load(site, fresh_registry)
+    assert shard_registries.snapshot() == pristine_registries
+
+
+# -- writes into ShardTensor's registries that bypass the hooks ------------------------------
+
+SNEAKY = """
+import torch
+from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo_shardext import hookimpl
+def sneaky_handler(func, types, args, kwargs):
+    return "sneaky"
+{write}
+"""
+
+WRITES = {
+    "register-call": (
+        "ShardTensor.register_function_handler(torch.cumsum, sneaky_handler)",
+        "_function_registry[torch.cumsum]: added {module}.sneaky_handler",
+        "patches.function(torch.cumsum, {module}.sneaky_handler)",
+    ),
+    "dict-write": (
+        "ShardTensor._dispatch_registry[torch.ops.aten.cumsum.default] = sneaky_handler",
+        "_dispatch_registry[aten.cumsum.default]: added {module}.sneaky_handler",
+        "patches.dispatch(torch.ops.aten.cumsum.default, {module}.sneaky_handler)",
+    ),
+    "builtin-replaced": (
+        "import torch.nn.functional as F\nShardTensor._function_registry[F.interpolate] = sneaky_handler",
+        "generic_interpolate_wrapper replaced by {module}.sneaky_handler",
+        "patches.function(torch.nn.functional.interpolate, {module}.sneaky_handler)",
+    ),
+    "rebind": (
+        "ShardTensor._named_function_registry = {'mylib.op.default': sneaky_handler}",
+        "ShardTensor._named_function_registry rebound to another dict",
+        'patches.named("mylib.op.default", {module}.sneaky_handler)',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRITES))
+def test_import_time_registry_write_is_rolled_back_and_attributed(site, fresh_registry, pristine_registries, case):
+    write, change, hint = WRITES[case]
+    module = f"sneaky_{case.replace('-', '_')}_mod"
+    install(site, "sneaky-dist", "sneaky", module, SNEAKY.format(write=write), version="6.6")
+    install(site, "good-dist", "good", f"good_beside_{module}", GOOD.format(tag="g", priority=0))
+    with pytest.warns(ShardextWarning, match="sneaky-dist==6.6 failed during import: UndeclaredPatchError") as caught:
+        reports = load(site, fresh_registry)
+    sneaky = reports["sneaky"]
+    assert sneaky.status is LoadStatus.FAILED and sneaky.stage == "import"
+    assert change.format(module=module) in sneaky.reason
+    assert hint.format(module=module) in sneaky.reason and "shardext_declare_patches" in sneaky.reason
+    assert reports["good"].status is LoadStatus.LOADED
+    assert not any("good-dist" in str(w.message) for w in caught)
+    fresh_registry.remove_plugin("good")
+    assert shard_registries.snapshot() == pristine_registries  # restored exactly, rebound dict included
+
+
+def test_registry_write_inside_a_hook_is_caught_too(site, fresh_registry, pristine_registries):
+    source = SNEAKY.format(
+        write="@hookimpl\ndef shardext_declare_patches(patches):\n"
+        "    ShardTensor.register_function_handler(torch.cumsum, sneaky_handler)\n"
+    )
+    install(site, "hook-writer-dist", "hook-writer", "hook_writer_mod", source)
+    with pytest.warns(ShardextWarning, match="failed during shardext_declare_patches: UndeclaredPatchError"):
+        reports = load(site, fresh_registry)
+    assert reports["hook-writer"].status is LoadStatus.FAILED
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_registry_write_is_fatal_in_strict_mode(site, fresh_registry, pristine_registries):
+    install(site, "sneaky-dist", "sneaky", "sneaky_strict_mod", SNEAKY.format(write=WRITES["register-call"][0]))
+    with pytest.raises(PluginLoadError, match="UndeclaredPatchError") as error:
+        load(site, fresh_registry, strict=True)
+    assert (error.value.plugin, error.value.distribution) == ("sneaky", "sneaky-dist")
+    assert shard_registries.snapshot() == pristine_registries
+
+
+VICTIM = """
+import torch
+from physicsnemo_shardext import hookimpl
+def victim_handler(func, types, args, kwargs):
+    return "victim"
+@hookimpl
+def shardext_declare_patches(patches):
+    patches.function(torch.cumsum, victim_handler)   # no override: the slot is free before any plugin
+"""
+
+
+@pytest.mark.parametrize("sneaky_first", [True, False])
+def test_no_victim_is_blamed_for_an_import_time_write(site, fresh_registry, sneaky_first):
+    install(site, "sneaky-dist", "sneaky", f"sneaky_victim_mod_{sneaky_first}", SNEAKY.format(write=WRITES["register-call"][0]))
+    install(site, "victim-dist", "victim", f"victim_mod_{sneaky_first}", VICTIM)
+    order = entry_points_in(site)  # sneaky sorts first
+    order = order if sneaky_first else order[::-1]
+    with pytest.warns(ShardextWarning) as caught:
+        reports = by_identity(PluginLoader(fresh_registry, Settings()).load_entry_points(order))
+    assert reports[("sneaky-dist", "sneaky")].status is LoadStatus.FAILED
+    assert reports[("victim-dist", "victim")].status is LoadStatus.LOADED
+    assert not any("victim-dist" in str(w.message) for w in caught)
+    assert shard_registries.current_handler("function", torch.cumsum)(None, None, None, None) == "victim"
+
+
+def test_strict_error_names_the_writer_not_the_victim(site, fresh_registry):
+    install(site, "sneaky-dist", "sneaky", "sneaky_strict_victim_mod", SNEAKY.format(write=WRITES["register-call"][0]))
+    install(site, "victim-dist", "victim", "victim_strict_mod", VICTIM)
+    with pytest.raises(PluginLoadError) as error:
+        load(site, fresh_registry, strict=True)
+    assert error.value.plugin == "sneaky" and "victim-dist" not in str(error.value)
+
+
+def test_write_then_import_failure_is_rolled_back(site, fresh_registry, pristine_registries):
+    source = SNEAKY.format(write=WRITES["register-call"][0] + "\nraise ImportError('missing zzz')")
+    install(site, "half-dist", "half", "half_mod", source, version="0.1")
+    with pytest.warns(ShardextWarning, match="half-dist==0.1 failed during import: ImportError: missing zzz"):
+        reports = load(site, fresh_registry)
+    reason = reports["half"].reason
+    assert "rolled back" in reason and "_function_registry[torch.cumsum]: added half_mod.sneaky_handler" in reason
+    assert shard_registries.snapshot() == pristine_registries
+
+
+# -- plugin identity: (distribution, entry-point name) ---------------------------------------
+
+IMPOSTOR = """
+import torch.nn.functional as F
+from physicsnemo_shardext import hookimpl
+def impostor_gelu(func, types, args, kwargs):
+    return "impostor"
+@hookimpl
+def shardext_declare_patches(patches):
+    patches.function(F.gelu, impostor_gelu, override=True)
+"""
+
+
+@pytest.mark.parametrize("order", ["first-party-first", "impostor-first", "impostor-alone"])
+def test_first_party_name_cannot_be_taken(site, fresh_registry, order):
+    import torch.nn.functional as F
+
+    install(site, "evil-dist", "pointwise", f"evil_pointwise_{order.replace('-', '_')}", IMPOSTOR, version="6.6")
+    real = first_party_entry_points("pointwise")
+    entry_points = {
+        "first-party-first": real + entry_points_in(site),
+        "impostor-first": entry_points_in(site) + real,
+        "impostor-alone": entry_points_in(site),
+    }[order]
+    with pytest.warns(ShardextWarning, match="evil-dist==6.6 failed during name check") as caught:
+        reports = by_identity(PluginLoader(fresh_registry, Settings()).load_entry_points(entry_points))
+    impostor = reports[("evil-dist", "pointwise")]
+    assert impostor.status is LoadStatus.FAILED and impostor.stage == "name check"
+    assert "belongs to a first-party plugin of physicsnemo-shardext and cannot be taken by evil-dist" in impostor.reason
+    assert not any("physicsnemo-shardext==" in str(w.message) for w in caught)  # the real plugin is never blamed
+    if order != "impostor-alone":
+        assert reports[("physicsnemo-shardext", "pointwise")].status is LoadStatus.LOADED
+        assert fresh_registry.provenance(F.gelu).plugin.distribution == "physicsnemo-shardext"
+        assert reports[("physicsnemo-shardext", "pointwise")].patches > 1
+
+
+CLASH_ORDERS = [pytest.param(False, id="alpha-first"), pytest.param(True, id="beta-first")]
+
+
+def clashing_entry_points(site, reverse):
+    install(site, "alpha-dist", "fast", f"fast_alpha_{reverse}", GOOD.format(tag="alpha", priority=0))
+    install(site, "beta-dist", "fast", f"fast_beta_{reverse}", GOOD.format(tag="beta", priority=0))
+    entry_points = entry_points_in(site)
+    return entry_points[::-1] if reverse else entry_points
+
+
+@pytest.mark.parametrize("reverse", CLASH_ORDERS)
+def test_same_name_from_two_distributions_refuses_both(site, fresh_registry, pristine_registries, reverse):
+    entry_points = clashing_entry_points(site, reverse)
+    with pytest.warns(ShardextWarning, match="distributions alpha-dist and beta-dist both publish a plugin named 'fast'"):
+        reports = by_identity(PluginLoader(fresh_registry, Settings()).load_entry_points(entry_points))
+    for distribution in ("alpha-dist", "beta-dist"):
+        report = reports[(distribution, "fast")]
+        assert report.status is LoadStatus.FAILED and report.stage == "name check"
+        assert "SHARDEXT_DISABLE=alpha-dist or SHARDEXT_DISABLE=beta-dist" in report.reason
+    assert {(r.plugin.distribution, r.status) for r in fresh_registry.reports()} == {
+        ("alpha-dist", LoadStatus.FAILED),
+        ("beta-dist", LoadStatus.FAILED),
+    }
+    assert shard_registries.snapshot() == pristine_registries
+
+
+@pytest.mark.parametrize("reverse", CLASH_ORDERS)
+def test_same_name_clash_in_strict_mode_is_independent_of_order(site, fresh_registry, pristine_registries, reverse):
+    entry_points = clashing_entry_points(site, reverse)
+    with pytest.raises(PluginLoadError, match="alpha-dist and beta-dist") as error:
+        PluginLoader(fresh_registry, Settings(strict=True)).load_entry_points(entry_points)
+    assert error.value.distribution == "alpha-dist" and error.value.stage == "name check"
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_disabling_one_distribution_resolves_a_clash(site, fresh_registry):
+    entry_points = clashing_entry_points(site, False)
+    loader = PluginLoader(fresh_registry, Settings(deny=("beta-dist",)))
+    reports = by_identity(loader.load_entry_points(entry_points))
+    assert reports[("alpha-dist", "fast")].status is LoadStatus.LOADED
+    assert reports[("beta-dist", "fast")].status is LoadStatus.BLOCKED
+
+
+def test_name_held_by_an_earlier_load_refuses_the_newcomer(site, fresh_registry):
+    entry_points = clashing_entry_points(site, False)
+    PluginLoader(fresh_registry, Settings()).load_entry_points(entry_points[:1])
+    with pytest.warns(ShardextWarning, match="belongs to an already loaded plugin of alpha-dist"):
+        reports = by_identity(PluginLoader(fresh_registry, Settings()).load_entry_points(entry_points))
+    assert list(reports) == [("beta-dist", "fast")] and reports[("beta-dist", "fast")].status is LoadStatus.FAILED
+    assert shard_registries.current_handler("function", torch.roll)(None, None, None, None) == "alpha"
+
+
+# -- strict mode: anything but a clean load ---------------------------------------------------
+
+
+def test_strict_mode_fails_on_an_incompatible_plugin(site, fresh_registry, pristine_registries):
+    install(site, "future-dist", "future", "future_strict_mod", BROKEN["incompatible"], version="2.0")
+    with pytest.raises(PluginLoadError, match=r"future-dist==2.0 failed during shardext_requirements: IncompatiblePluginError: it requires nvidia-physicsnemo>=99"):
+        load(site, fresh_registry, strict=True)
+    assert [r.status for r in fresh_registry.reports()] == [LoadStatus.INCOMPATIBLE]
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_strict_mode_accepts_blocked_plugins(site, fresh_registry):
+    install(site, "future-dist", "future", "future_blocked_mod", BROKEN["incompatible"])
+    install(site, "good-dist", "good", "good_strict_blocked", GOOD.format(tag="s", priority=0))
+    reports = load(site, fresh_registry, strict=True, deny=("future",))
+    assert (reports["future"].status, reports["good"].status) == (LoadStatus.BLOCKED, LoadStatus.LOADED)

@@ -184,8 +184,21 @@ def test_trace_mode_wraps_and_logs(fresh_registry, caplog):
 
 def test_duplicate_plugin_name_is_refused(fresh_registry):
     fresh_registry.add_plugin(*declare("same", torch.roll))
-    with pytest.raises(InvalidPatchDeclaration, match="already loaded"):
+    with pytest.raises(InvalidPatchDeclaration, match="already loaded, from same-dist"):
         fresh_registry.add_plugin(*declare("same", torch.flip))
+
+
+def test_reports_are_kept_per_distribution_and_name(fresh_registry):
+    from physicsnemo_shardext.provenance import LoadStatus, PluginReport
+
+    mine, theirs = PluginInfo("same", "mine-dist", "1"), PluginInfo("same", "theirs-dist", "1")
+    fresh_registry.record_report(PluginReport(theirs, LoadStatus.FAILED, "refused"))
+    fresh_registry.record_report(PluginReport(mine, LoadStatus.FAILED, "first try"))
+    fresh_registry.record_report(PluginReport(mine, LoadStatus.LOADED))  # same identity: replaces
+    assert [(r.plugin.distribution, r.status) for r in fresh_registry.reports()] == [
+        ("mine-dist", LoadStatus.LOADED),
+        ("theirs-dist", LoadStatus.FAILED),
+    ]
 
 
 class _Owner:

@@ -27,3 +27,7 @@ def test_all_variables_parse():
 def test_bad_boolean_names_the_variable():
     with pytest.raises(ValueError, match="SHARDEXT_STRICT='maybe'"):
         Settings.from_env({"SHARDEXT_STRICT": "maybe"})
+
+
+def test_strict_description_covers_incompatible_plugins():
+    assert "incompatible" in ENVIRONMENT_VARIABLES["SHARDEXT_STRICT"]

@@ -10,7 +10,17 @@ input gradients, every parameter gradient and every buffer after the run
 (running statistics, counters), using a deterministic random
 cotangent sharded like the output. Mismatches from all ranks are gathered and
 raised on every rank as one :class:`ConformanceError` (an ``AssertionError``)
-that names the tensor, the max abs error and the ranks. A second pass, on fresh
+that names the tensor, the max abs error and the ranks.
+
+Errors the code under test *raises* (a shape, dtype or placement error in a
+handler, or autograd's ``Mismatch in shape`` in backward when a handler returned
+a wrong-shaped result) are reported the same way: a mismatch naming the output
+or gradient concerned, the ranks, and, where a plugin handler ran, the plugin
+(found through the handler calls recorded by
+:class:`~physicsnemo_shardext.trace.HandlerRecorder` and the registry's provenance).
+``MissingShardPatch`` and the framework's own errors propagate unchanged. Such an
+error must be raised on every rank alike; one raised on some ranks only leaves
+the others in their collectives (the multirank watchdog reports that hang). A second pass, on fresh
 copies, counts the collectives and bytes of forward and backward
 (:class:`~physicsnemo_shardext.testing.comm_accounting.CommCounter`).
 
@@ -35,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,7 +58,9 @@ from torch.utils._pytree import tree_leaves
 
 from physicsnemo.domain_parallel import ShardTensor
 
+from physicsnemo_shardext.errors import MissingShardPatch, ShardextError
 from physicsnemo_shardext.testing.comm_accounting import CommCounter, PhaseCommStats
+from physicsnemo_shardext.trace import HandlerCall, HandlerRecorder
 from physicsnemo_shardext.testing.sharding import SplitSizes, shard_tensor
 
 __all__ = [
@@ -92,12 +105,24 @@ class Mismatch:
 
 
 class ConformanceError(AssertionError):
-    """The sharded run differs from the reference; ``mismatches`` lists every difference."""
+    """The sharded run differs from the reference; ``mismatches`` lists every difference.
 
-    def __init__(self, mismatches: Sequence[Mismatch], context: str = "") -> None:
+    ``plugins`` names the plugin handlers that ran in the sharded run (``"label for target"``).
+
+    >>> print(ConformanceError([Mismatch("output[0]", "shape (3,) != reference (4,)", ranks=(0, 1))],
+    ...                        plugins=["demo (demo-dist==1.0) for torch.tanh"]))
+    sharded run does not match the single-process reference:
+      - output[0]: shape (3,) != reference (4,) (rank(s) [0, 1])
+      plugin handlers that ran: demo (demo-dist==1.0) for torch.tanh
+    """
+
+    def __init__(self, mismatches: Sequence[Mismatch], context: str = "", plugins: Sequence[str] = ()) -> None:
         self.mismatches = list(mismatches)
+        self.plugins = list(plugins)
         lines = [f"sharded run does not match the single-process reference{context}:"]
         lines += [f"  - {m.describe()}" for m in self.mismatches]
+        if self.plugins:
+            lines.append(f"  plugin handlers that ran: {', '.join(self.plugins)}")
         super().__init__("\n".join(lines))
 
 
@@ -243,7 +268,7 @@ def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
 # -- comparing ------------------------------------------------------------------------------
 def _compare(
     what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
-    mismatches: list[Mismatch], errors: dict[str, float], *, check_dtype: bool = False, note: str = "",
+    mismatches: list[Mismatch], errors: dict[str, float], *, check_dtype: bool = True, note: str = "",
 ) -> None:
     if expected is None and actual is None:
         return
@@ -419,6 +444,94 @@ def _merge(per_rank: list[list[Mismatch]]) -> list[Mismatch]:
     return list(merged.values())
 
 
+# -- errors raised by the code under test -----------------------------------------------------
+def _is_code_error(error: BaseException) -> bool:
+    """Shape, dtype, placement and autograd errors of the code under test (not the framework's own)."""
+    if isinstance(error, (MissingShardPatch, ShardextError)):
+        return False  # tests rely on these propagating unchanged
+    return isinstance(error, (RuntimeError, ValueError, TypeError, IndexError))
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(error).__name__}: {line[:limit]}"
+
+
+def _plugin_label(call: HandlerCall) -> str | None:
+    """``"plugin (dist==version) for target"`` of a recorded call to a plugin's handler, else ``None``."""
+    import physicsnemo_shardext
+    from physicsnemo_shardext.inventory import plugin_of
+    from physicsnemo_shardext.targets import describe_target
+
+    plugin = plugin_of(call.handler, physicsnemo_shardext.get_registry())
+    return None if plugin is None else f"{plugin.label} for {describe_target(call.target)}"
+
+
+def _labels(calls: Sequence[HandlerCall]) -> list[str]:
+    return list(dict.fromkeys(label for label in map(_plugin_label, calls) if label is not None))
+
+
+class _Attribution:
+    """Names the plugin behind a failure from the handler calls a :class:`HandlerRecorder` saw."""
+
+    def __init__(self, recorder: HandlerRecorder) -> None:
+        self.recorder = recorder
+
+    def ran(self) -> list[str]:
+        """Every plugin handler that ran in the sharded run."""
+        return _labels(self.recorder.calls)
+
+    def producer_of(self, tensor: Any) -> list[str]:
+        """The plugin handlers that returned ``tensor``."""
+        return _labels([c for c in self.recorder.calls if id(tensor) in c.result_ids])
+
+    def blame(self, phase: str, produced: Sequence[Any] = ()) -> str:
+        """A clause naming the plugins: whose handler raised in ``phase``, and who produced ``produced``.
+
+        A handler that only passed an error on (a wrapper of ``torch.autograd.backward``) is
+        named with the handlers that built the outputs, so the real culprit is never hidden.
+        """
+        raised = _labels([c for c in self.recorder.calls if c.phase == phase and c.error is not None])
+        producers = list(dict.fromkeys(label for t in produced for label in self.producer_of(t)))
+        others = [label for label in (producers or self.ran()) if label not in raised]
+        clauses = []
+        if raised:
+            clauses.append(f"raised in the handler of plugin {', '.join(raised)}")
+        if others:
+            kind = "produced by the handler of plugin" if producers else "plugin handler(s) that ran:"
+            clauses.append(f"{kind} {', '.join(others)}")
+        return "; ".join(clauses)
+
+
+class _Guard:
+    """Turn an error of the code under test inside the block into a :class:`Mismatch` (and suppress it)."""
+
+    def __init__(self, what: str, stage: str, mismatches: list[Mismatch], blame: Callable[[BaseException], str]) -> None:
+        self.what, self.stage, self.mismatches, self.blame = what, stage, mismatches, blame
+        self.failed = False
+
+    def __enter__(self) -> _Guard:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        if error is None or not _is_code_error(error):
+            return False
+        self.failed = True
+        clause = self.blame(error)
+        detail = f"{self.stage} raised {_first_line(error)}" + (f"; {clause}" if clause else "")
+        self.mismatches.append(Mismatch(self.what(error) if callable(self.what) else self.what, detail))
+        return True
+
+
+def _backward_target(error: BaseException, indices: Sequence[int]) -> str:
+    """Which output a backward error concerns: autograd names it ``output[k]`` among those passed."""
+    found = re.search(r"\boutput\[(\d+)\]", str(error))
+    if found and int(found.group(1)) < len(indices):
+        return f"gradients (backward from output[{indices[int(found.group(1))]}])"
+    return "gradients (backward)"
+
+
 # -- the check ----------------------------------------------------------------------------
 def check_conformance(
     fn: Callable[..., Any],
@@ -526,54 +639,108 @@ def check_conformance(
     # Sharded run.
     sharded = _prepare_callable(fn, mesh, params)
     sh_inputs = _sharded_inputs(inputs, specs)
-    with _autocast_region(amp):
+    recorder = HandlerRecorder()  # which handlers ran: names the plugin behind a failure
+    who = _Attribution(recorder)
+    forward = _Guard("output", "the sharded forward", mismatches, lambda e: who.blame("forward"))
+    with forward, _autocast_region(amp), recorder.recording("forward"):
         sh_outputs = _tensor_leaves(sharded(*sh_inputs, **kwargs))
-    if len(sh_outputs) != len(ref_outputs):
-        raise ConformanceError([Mismatch("outputs", f"{len(sh_outputs)} tensors, reference has {len(ref_outputs)}")])
+    if not forward.failed and len(sh_outputs) != len(ref_outputs):
+        raise ConformanceError([Mismatch("outputs", f"{len(sh_outputs)} tensors, reference has {len(ref_outputs)}")],
+                               plugins=who.ran())
 
-    for i, (sh_out, ref_out) in enumerate(zip(sh_outputs, ref_outputs)):
-        full, placements = _gathered(sh_out)
+    gathered = not forward.failed
+    for i, (sh_out, ref_out) in enumerate(zip(sh_outputs, ref_outputs) if gathered else ()):
+        what = f"output[{i}]"
+        guard = _Guard(what, "gathering it", mismatches, lambda e, t=sh_out: who.blame("forward", [t]))
+        with guard:
+            full, placements = _gathered(sh_out)
+        if guard.failed:
+            gathered = False
+            continue
         report.output_placements.append(placements)
-        compare(f"output[{i}]", full, ref_out, rtol, atol)
+        compare(what, full, ref_out, rtol, atol)
         wanted = _expected_placements_for(i, expected_placements, default_placements)
         if wanted is not False and placements != wanted:
-            mismatches.append(Mismatch(f"placements of output[{i}]", f"{placements} != expected {wanted}"))
+            clause = who.blame("forward", [sh_out])
+            mismatches.append(Mismatch(f"placements of output[{i}]",
+                                       f"{placements} != expected {wanted}" + (f"; {clause}" if clause else "")))
 
-    _backward(ref_outputs, sh_outputs, seed)
-    for i, (sh_in, ref_in) in enumerate(zip(sh_inputs, ref_inputs)):
-        if specs[i] is not None and _needs_grad(inputs[i]):
-            grad = sh_in.grad
-            compare(f"gradient of input[{i}]", _gathered(grad)[0] if grad is not None else None, ref_in.grad,
-                    grad_rtol, grad_atol)
-    if isinstance(fn, torch.nn.Module):
-        sh_params = dict(sharded.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            what = f"gradient of parameter {name!r}"
-            if name not in sh_params:
-                mismatches.append(Mismatch(what, "parameter missing from the sharded module"))
-                continue
-            actual = _param_grad(name, sh_params[name], params, mismatches)
-            compare(what, actual, ref_param.grad, grad_rtol, grad_atol)
+    if gathered and _run_backward(ref_outputs, sh_outputs, seed, recorder, who, mismatches):
+        _compare_gradients(specs, inputs, sh_inputs, ref_inputs, compare, grad_rtol, grad_atol, mismatches, who)
+        if isinstance(fn, torch.nn.Module):
+            _compare_param_grads(sharded, reference, params, compare, grad_rtol, grad_atol, mismatches, who)
+    if isinstance(fn, torch.nn.Module) and not forward.failed:
         _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors, tolerance)
 
     merged = _merge(_all_gather(mismatches))
     if merged:
         under = "" if amp is None else f", forward under {_describe_autocast(amp)}"
-        raise ConformanceError(merged, f" ({getattr(fn, '__name__', type(fn).__name__)}{under})")
+        raise ConformanceError(merged, f" ({getattr(fn, '__name__', type(fn).__name__)}{under})", plugins=who.ran())
 
     if count_comms:
         report.comms = measure_comms(fn, inputs, specs, params=params, kwargs=kwargs, seed=seed, autocast=autocast)
     return report
 
 
-def _backward(ref_outputs: list[torch.Tensor], sh_outputs: list[torch.Tensor], seed: int) -> None:
-    pairs = [(s, r) for s, r in zip(sh_outputs, ref_outputs) if r.requires_grad]
-    if not pairs:
-        return
-    ref_cots = [_cotangent_for(r, r.shape, seed + i) for i, (_, r) in enumerate(pairs)]
-    sh_cots = [_cotangent_for(s, r.shape, seed + i) for i, (s, r) in enumerate(pairs)]
-    torch.autograd.backward([r for _, r in pairs], ref_cots)
-    torch.autograd.backward([s for s, _ in pairs], sh_cots)
+def _run_backward(
+    ref_outputs: list[torch.Tensor], sh_outputs: list[torch.Tensor], seed: int, recorder: HandlerRecorder,
+    who: _Attribution, mismatches: list[Mismatch],
+) -> bool:
+    """Backward of both runs; an error of the sharded one becomes a mismatch. Returns whether it completed."""
+    indices = [i for i, r in enumerate(ref_outputs) if r.requires_grad]
+    if not indices:
+        return True
+    torch.autograd.backward([ref_outputs[i] for i in indices],
+                            [_cotangent_for(ref_outputs[i], ref_outputs[i].shape, seed + j) for j, i in enumerate(indices)])
+    produced = [sh_outputs[i] for i in indices]
+    cotangents = []
+    for j, i in enumerate(indices):
+        guard = _Guard(f"output[{i}]", "building its cotangent", mismatches,
+                       lambda e, t=sh_outputs[i]: who.blame("forward", [t]))
+        with guard:
+            cotangents.append(_cotangent_for(sh_outputs[i], ref_outputs[i].shape, seed + j))
+        if guard.failed:
+            return False
+    # Autograd's "Mismatch in shape" names output[k] among those passed: map k back to our numbering.
+    guard = _Guard(lambda e: _backward_target(e, indices), "the sharded backward", mismatches,
+                   lambda e: who.blame("backward", produced))
+    with guard, recorder.recording("backward"):
+        torch.autograd.backward(produced, cotangents)
+    return not guard.failed
+
+
+def _compare_gradients(
+    specs: Sequence[ShardSpec | None], inputs: Sequence[Any], sh_inputs: Sequence[Any], ref_inputs: Sequence[Any],
+    compare: Callable[..., None], rtol: float, atol: float, mismatches: list[Mismatch], who: _Attribution,
+) -> None:
+    """Input gradients of the sharded run against the reference's (gathering one may raise, too)."""
+    for i, (sh_in, ref_in) in enumerate(zip(sh_inputs, ref_inputs)):
+        if specs[i] is None or not _needs_grad(inputs[i]):
+            continue
+        what, grad = f"gradient of input[{i}]", sh_in.grad
+        guard = _Guard(what, "gathering it", mismatches, lambda e: who.blame("backward"))
+        with guard:
+            actual = _gathered(grad)[0] if grad is not None else None
+        if not guard.failed:
+            compare(what, actual, ref_in.grad, rtol, atol)
+
+
+def _compare_param_grads(
+    sharded: torch.nn.Module, reference: torch.nn.Module, params: ParamMode, compare: Callable[..., None],
+    rtol: float, atol: float, mismatches: list[Mismatch], who: _Attribution,
+) -> None:
+    """Parameter gradients: present, Replicate under ``params="distribute"``, equal to the reference's."""
+    sh_params = dict(sharded.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        what = f"gradient of parameter {name!r}"
+        if name not in sh_params:
+            mismatches.append(Mismatch(what, "parameter missing from the sharded module"))
+            continue
+        guard = _Guard(what, "gathering it", mismatches, lambda e: who.blame("backward"))
+        with guard:
+            actual = _param_grad(name, sh_params[name], params, mismatches)
+        if not guard.failed:
+            compare(what, actual, ref_param.grad, rtol, atol)
 
 
 def measure_comms(

@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["entry_points_in", "write_plugin_distribution"]
+__all__ = ["entry_points_in", "first_party_entry_points", "write_plugin_distribution"]
 
 GROUP = "physicsnemo_shardext"
+FIRST_PARTY_DISTRIBUTION = "physicsnemo-shardext"
 
 
 def write_plugin_distribution(
@@ -59,8 +60,20 @@ def write_plugin_distribution(
 
 
 def entry_points_in(folder: str | Path, group: str = GROUP) -> list[metadata.EntryPoint]:
-    """The plugin entry points of the distributions installed in ``folder`` only."""
+    """The plugin entry points of the distributions installed in ``folder`` only, by (name, distribution)."""
     return sorted(
         (ep for dist in metadata.distributions(path=[str(folder)]) for ep in dist.entry_points if ep.group == group),
-        key=lambda ep: ep.name,
+        key=lambda ep: (ep.name, ep.dist.name if ep.dist is not None else ""),
     )
+
+
+def first_party_entry_points(*names: str, group: str = GROUP) -> list[metadata.EntryPoint]:
+    """The installed ``physicsnemo-shardext`` entry points called ``names`` (all of them if none given).
+
+    Lets a test put a real first-party plugin beside fixture plugins, in any order.
+
+    >>> [ep.name for ep in first_party_entry_points("pointwise")]
+    ['pointwise']
+    """
+    distribution = metadata.distribution(FIRST_PARTY_DISTRIBUTION)
+    return [ep for ep in distribution.entry_points if ep.group == group and (not names or ep.name in names)]

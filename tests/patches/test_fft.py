@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.fft import FFT_FUNCTIONS, distributed_fft, parse_fft_call
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 from physicsnemo_shardext.testing.conformance import Mismatch, _compare
@@ -162,16 +161,79 @@ def test_batch_sharded_over_ddp_is_untouched(ddp_domain_mesh):
     check_conformance(torch.fft.rfft2, [x], spec, expected_placements=[Shard(0), Shard(3)])
 
 
+def _view_real(t):
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+PARTIAL_TRANSFORMS = {
+    "rfft": (lambda t: torch.fft.rfft(t), (3, 8), torch.float32),
+    "fft-dim0": (lambda t: torch.fft.fft(t, dim=0), (3, 8), torch.float32),
+    "irfft": (lambda t: torch.fft.irfft(t, n=8), (3, 5), torch.complex64),
+    "rfft2-ortho": (lambda t: torch.fft.rfft2(t, norm="ortho"), (2, 6, 8), torch.float32),
+    "irfftn": (lambda t: torch.fft.irfftn(t, s=(6, 8)), (2, 6, 5), torch.complex64),
+    "ifft2": (lambda t: torch.fft.ifft2(t), (2, 6, 5), torch.complex64),
+}
+
+
 @pytest.mark.multirank(2)
-def test_refusals_name_the_configuration(domain_mesh):
-    xs = shard_tensor(torch.randn(8), domain_mesh, [Shard(0)], [5, 3])
-    with pytest.raises(MissingShardPatch, match=r"torch.fft.fft over dims \(0,\).*no other dim is free"):
-        torch.fft.fft(xs)
-    ys = shard_tensor(torch.randn(2, 8), domain_mesh, [Shard(1)])
-    with pytest.raises(MissingShardPatch, match="out="):
-        torch.fft.fft(ys, out=torch.empty(2, 8, dtype=torch.complex64))
+@pytest.mark.parametrize("name", sorted(PARTIAL_TRANSFORMS))
+def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
+    # A transform is linear: the DTensor fallback transforms each rank's term (forward and grads right).
     from physicsnemo.domain_parallel import ShardTensor
 
-    partial = ShardTensor.from_local(torch.randn(2, 8), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.fft.rfft(partial)
+    fn, shape, dtype = PARTIAL_TRANSFORMS[name]
+    torch.manual_seed(0)
+    full = torch.randn(shape, dtype=dtype)
+    share = torch.rand(shape)
+    ref_in = full.clone().requires_grad_(True)
+    ref = fn(ref_in)
+    weight = torch.randn(_view_real(ref).shape)
+    (_view_real(ref) * weight).sum().backward()
+    grads = []
+    for disabled in (False, True):
+        local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
+        partial = ShardTensor.from_local(local, domain_mesh, [Partial()], sharding_shapes={})
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=["fft"]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out._spec.placements) == (Partial(),)
+        torch.testing.assert_close(out.full_tensor(), ref, atol=1e-5, rtol=1e-5)
+        (_view_real(out.full_tensor()) * weight).sum().backward()
+        torch.testing.assert_close(local.grad, ref_in.grad, atol=1e-5, rtol=1e-5)
+        grads.append((out.to_local(), local.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [None, [5, 3]], ids=["even", "uneven"])
+@pytest.mark.parametrize("name", ["fft", "rfft"])
+def test_a_sharded_1d_signal_is_delegated_to_the_fallback(domain_mesh, split, name):
+    # No other dim can take the shard: the DTensor fallback gathers the signal (forward and grads right).
+    fn = getattr(torch.fft, name)
+    x = torch.randn(8)
+    report = check_conformance(fn, [x], ShardSpec(domain_mesh, [Shard(0)], split), expected_placements=[Replicate()])
+    with physicsnemo_shardext.disabled(plugins=["fft"]):
+        baseline = fn(shard_tensor(x, domain_mesh, [Shard(0)], split))
+    out = fn(shard_tensor(x, domain_mesh, [Shard(0)], split))
+    assert tuple(out._spec.placements) == tuple(baseline._spec.placements)
+    torch.testing.assert_close(out.to_local(), baseline.to_local())
+    assert report is not None
+
+
+@pytest.mark.multirank(2)
+def test_out_is_delegated_to_the_fallback(domain_mesh):
+    x = torch.randn(2, 8)
+    results = []
+    for disabled in (False, True):
+        buf = torch.empty(2, 8, dtype=torch.complex64)
+        ys = shard_tensor(x, domain_mesh, [Shard(0)])
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=["fft"]):
+                torch.fft.fft(ys, dim=1, out=buf)
+        else:
+            torch.fft.fft(ys, dim=1, out=buf)  # the DTensor fallback writes the full result into the buffer
+        torch.testing.assert_close(buf, torch.fft.fft(x, dim=1))
+        results.append(buf)
+    torch.testing.assert_close(results[0], results[1])

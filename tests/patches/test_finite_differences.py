@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.finite_differences import diff_output_sizes, sharded_diff, sharded_gradient
 from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, shard_tensor
 
@@ -151,18 +150,74 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
         assert patched.stats.total_bytes <= bound < fallback.stats.total_bytes
 
 
+def _assert_partial_is_delegated(fn, shape, mesh, rank, plugin):
+    """A Partial(sum) input whose terms sum to ``full``: values, placements and grads match one process and the plugin-disabled run."""
+    torch.manual_seed(0)
+    full, share = torch.randn(shape), torch.rand(shape)
+    ref_in = full.clone().requires_grad_(True)
+    ref = fn(ref_in)
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
+        partial = ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out._spec.placements) == (Partial(),)
+        torch.testing.assert_close(out.full_tensor(), ref)
+        (out.full_tensor() * weight).sum().backward()
+        torch.testing.assert_close(local.grad, ref_in.grad)
+        runs.append((out.to_local(), local.grad))
+    torch.testing.assert_close(runs[0], runs[1])
+
+
+PARTIAL_STENCILS = {
+    "gradient": lambda t: torch.stack(torch.gradient(t, spacing=0.5, edge_order=2)),
+    "gradient-dim": lambda t: torch.gradient(t, dim=1)[0],
+    "gradient-coords": lambda t: torch.gradient(t, spacing=[torch.tensor([0.0, 1.0, 3.0, 4.0, 7.0])], dim=1)[0],
+    "diff-n2": lambda t: torch.diff(t, n=2, dim=0),
+    "diff-prepend": lambda t: torch.diff(t, dim=0, prepend=torch.ones(1, 5)),
+    "Tensor.diff": lambda t: t.diff(),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(PARTIAL_STENCILS))
+def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
+    # Linear stencils of a pending sum: the DTensor fallback is right (forward and grads).
+    _assert_partial_is_delegated(PARTIAL_STENCILS[name], (5, 5), domain_mesh, rank, "finite_differences")
+
+
+DELEGATED_CONFIGURATIONS = {
+    "coordinates-requiring-grad": (
+        lambda t: torch.gradient(t, spacing=[torch.tensor([0.0, 1.0, 3.0, 4.5, 7.0], requires_grad=True)], dim=0)[0],
+        0, [Replicate()]),
+    "prepend-shard-tensor-uneven": (lambda t: torch.diff(t, dim=0, prepend=t), 0, [Replicate()]),
+    "prepend-shard-tensor-other-dim": (lambda t: torch.diff(t, dim=1, prepend=t), 1, None),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(DELEGATED_CONFIGURATIONS))
+def test_configurations_the_fallback_handles_are_delegated(domain_mesh, name):
+    fn, _, expected = DELEGATED_CONFIGURATIONS[name]
+    x = torch.randn(5, 3)
+    spec = ShardSpec(domain_mesh, [Shard(0)], [3, 2])
+    check_conformance(fn, [x], spec, expected_placements=expected)
+    out = fn(shard_tensor(x, domain_mesh, [Shard(0)], [3, 2]))
+    with physicsnemo_shardext.disabled(plugins=["finite_differences"]):
+        baseline = fn(shard_tensor(x, domain_mesh, [Shard(0)], [3, 2]))
+    assert tuple(out._spec.placements) == tuple(baseline._spec.placements)
+    torch.testing.assert_close(out.to_local(), baseline.to_local())
+
+
 @pytest.mark.multirank(2)
 def test_refused_configurations_and_torch_errors(domain_mesh, rank):
     x = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
-    partial = ShardTensor.from_local(torch.full((2, 3), float(rank)), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.gradient(partial)
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.diff(partial, dim=0)
-    with pytest.raises(MissingShardPatch, match="coordinate tensors that require grad"):
-        torch.gradient(x, spacing=[torch.arange(4.0, requires_grad=True)], dim=0)
-    with pytest.raises(MissingShardPatch, match="prepend as a ShardTensor"):
-        torch.diff(x, dim=0, prepend=x)
     short = shard_tensor(torch.randn(2, 6), domain_mesh, [Shard(0)], [1, 1])
     with pytest.raises(RuntimeError, match="edge_order"):  # torch's own error, on every rank, before any exchange
         torch.gradient(short, dim=0, edge_order=2)

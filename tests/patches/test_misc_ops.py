@@ -134,9 +134,7 @@ def test_prelu_on_2d_spatial_mesh(spatial_mesh):
 def test_cat_refuses_what_it_cannot_do(domain_mesh):
     x = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [5, 2])
     other_split = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [4, 3])
-    with pytest.raises(MissingShardPatch, match="sharded dim 2"):
-        cat_local(torch.cat, (), ([x, x], 2), {})
-    with pytest.raises(MissingShardPatch, match="sharded differently"):
+    with pytest.raises(MissingShardPatch, match="sharded differently.*fails on uneven shards"):
         cat_local(torch.cat, (), ([x, other_split], 1), {})
     with pytest.raises(MissingShardPatch, match=r"replicated input of shape \(1, 2, 6\) does not match"):
         cat_local(torch.cat, (), ([x, torch.randn(1, 2, 6)],), {"dim": 1})
@@ -182,11 +180,103 @@ def test_complex_view_of_uneven_shards_is_local_and_keeps_the_split(domain_mesh)
     torch.testing.assert_close(c.imag.full_tensor(), x.full_tensor()[..., 1])
 
 
+def _assert_delegated(fn, fulls, shards, plugin, placements):
+    """``fn`` of ShardTensors: values, placements and input gradients match single-process and the plugin-off run."""
+    fulls = [f.clone().requires_grad_(True) for f in fulls]
+    expected = fn(*fulls)
+    real = torch.view_as_real(expected) if expected.is_complex() else expected
+    weight = torch.randn(real.shape, generator=torch.Generator().manual_seed(2), dtype=real.dtype)
+    (real * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        inputs = [s() for s in shards]
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(*inputs)
+        else:
+            out = fn(*inputs)
+        assert tuple(out.placements) == placements
+        value = out.full_tensor()
+        torch.testing.assert_close(value, expected)
+        (torch.view_as_real(value) if value.is_complex() else value).mul(weight).sum().backward()
+        grads = [t.grad.full_tensor() for t in inputs]
+        for g, f in zip(grads, fulls):
+            torch.testing.assert_close(g, f.grad)
+        runs.append((value, grads))
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
 @pytest.mark.multirank(2)
-def test_view_as_complex_refuses_a_sharded_last_dim(domain_mesh):
-    x = shard_tensor(torch.randn(1, 3, 2), domain_mesh, [Shard(2)], [1, 1])
-    with pytest.raises(MissingShardPatch, match="view_as_complex: the last"):
-        complex_view_local(torch.view_as_complex, (), (x,), {})
+def test_view_as_complex_of_a_sharded_last_dim_is_delegated_to_the_fallback(domain_mesh):
+    # The fallback gathers the real/imag dim: Replicate, values and gradients right.
+    full = torch.randn(3, 2, dtype=torch.float64)
+    _assert_delegated(torch.view_as_complex, [full],
+                      [lambda: shard_tensor(full, domain_mesh, [Shard(1)], [1, 1], requires_grad=True)],
+                      "misc_ops", (Replicate(),))
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[5, 2], [4, 3]], ids=["uneven", "even-ish"])
+def test_cat_along_the_sharded_dim_is_delegated_to_the_fallback(domain_mesh, split):
+    # The fallback gathers the sharded dim: Replicate output, values and gradients right on uneven shards.
+    a, b = torch.randn(2, 1, 2, 7, dtype=torch.float64)
+    _assert_delegated(lambda x, y: torch.cat([x, y], 2), [a, b],
+                      [lambda: shard_tensor(a, domain_mesh, [Shard(2)], split, requires_grad=True),
+                       lambda: shard_tensor(b, domain_mesh, [Shard(2)], split, requires_grad=True)],
+                      "misc_ops", (Replicate(),))
+
+
+LAYOUTS = {
+    # name: (op, shapes, placements and splits of the inputs, output placements); every shard holds
+    # torch.chunk's rows (8 or 7 rows: 4/4 or 4/3; 2 channels: 1/1), the layout the fallback assumes.
+    "cat-shard2-with-shard1": ("cat", 1, [(1, 2, 8), (1, 4, 8)], [(Shard(2), [4, 4]), (Shard(1), [2, 2])], (Shard(2),)),
+    "cat-shard2-with-replicate": ("cat", 1, [(1, 2, 7), (1, 3, 7)], [(Shard(2), [4, 3]), (Replicate(), None)],
+                                  (Shard(2),)),
+    "stack-shard2-with-shard1": ("stack", 1, [(1, 2, 8), (1, 2, 8)], [(Shard(2), [4, 4]), (Shard(1), [1, 1])],
+                                 (Replicate(),)),
+    "stack-shard2-with-replicate": ("stack", 0, [(1, 2, 7), (1, 2, 7)], [(Shard(2), [4, 3]), (Replicate(), None)],
+                                    (Shard(3),)),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_cat_and_stack_of_different_layouts_with_dtensor_chunks_are_delegated(domain_mesh, name):
+    # The fallback redistributes inputs it can take for DTensor's own (torch.chunk) layout: right.
+    op, dim, shapes, layouts, placements = LAYOUTS[name]
+    fulls = [torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+             for i, shape in enumerate(shapes)]
+    makers = [lambda f=f, p=p, split=split: shard_tensor(f, domain_mesh, [p], split, requires_grad=True)
+              for f, (p, split) in zip(fulls, layouts)]
+    _assert_delegated(lambda *ts: getattr(torch, op)(list(ts), dim=dim), fulls, makers, "misc_ops", placements)
+
+
+@pytest.mark.multirank(2)
+def test_stack_with_a_plain_tensor_and_dtensor_chunks_is_delegated(domain_mesh):
+    a, b = torch.randn(2, 1, 2, 7, dtype=torch.float64)
+    xs = shard_tensor(a, domain_mesh, [Shard(2)], [4, 3])
+    out = torch.stack([xs, b], dim=0)
+    with physicsnemo_shardext.disabled(plugins=["misc_ops"]):
+        baseline = torch.stack([xs, b], dim=0)
+    assert tuple(out.placements) == tuple(baseline.placements) == (Shard(3),)
+    torch.testing.assert_close(out.full_tensor(), torch.stack([a, b]))
+    torch.testing.assert_close(out.to_local(), baseline.to_local(), rtol=0, atol=0)
+
+
+@pytest.mark.multirank(2)
+def test_stack_of_different_shapes_gets_torchs_error(domain_mesh):
+    x = shard_tensor(torch.randn(1, 7, 3), domain_mesh, [Shard(1)], [5, 2])
+    y = shard_tensor(torch.randn(1, 7, 2), domain_mesh, [Shard(1)], [5, 2])
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        torch.stack([x, y])
+
+
+@pytest.mark.multirank(2)
+def test_prelu_refusals_name_the_failing_backward(domain_mesh, rank):
+    weight = torch.tensor([0.25])
+    partial = ShardTensor.from_local(torch.randn(1, 2, 4), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial.*_prelu_kernel_backward"):
+        F.prelu(partial, weight)
 
 
 @pytest.mark.multirank(2)

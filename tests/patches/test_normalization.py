@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
@@ -162,8 +163,10 @@ def test_forward_comm_is_O_channels_and_below_fallback(domain_mesh, name):
 def test_refused_configurations(domain_mesh, rank):
     x = torch.randn(2, 4, 6, 3)
     channel_sharded = shard_tensor(x, domain_mesh, [Shard(1)], [3, 1])
+    # batch_norm: the fallback applies the whole weight to each rank's channels (wrong); group_norm: the
+    # built-in refuses it too; instance_norm: the fallback's backward fails.
     for call in (
-        lambda t: F.batch_norm(t, None, None, training=True),
+        lambda t: F.batch_norm(t, None, None, weight=torch.ones(4), training=True),
         lambda t: F.group_norm(t, 2),
         lambda t: F.instance_norm(t),
     ):
@@ -172,11 +175,17 @@ def test_refused_configurations(domain_mesh, rank):
     from physicsnemo.domain_parallel import ShardTensor
 
     partial = ShardTensor.from_local(x, domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        F.layer_norm(partial, (3,))
-    sharded = shard_tensor(x, domain_mesh, [Shard(2)], [5, 1])
-    with pytest.raises(MissingShardPatch, match="running statistics"):
+    with pytest.raises(MissingShardPatch, match="Partial.*built-in fails"):
+        F.group_norm(partial, 2)  # the built-in: AttributeError 'Partial' object has no attribute 'dim'
+
+
+@pytest.mark.multirank(2)
+def test_calls_torch_rejects_get_torch_errors_from_the_delegate(domain_mesh):
+    sharded = shard_tensor(torch.randn(2, 4, 6, 3), domain_mesh, [Shard(2)], [5, 1])
+    with pytest.raises(RuntimeError, match="running_mean must be defined"):
         F.batch_norm(sharded, None, None, training=False)
+    with pytest.raises(RuntimeError, match="running_mean and running_var to be defined"):
+        F.instance_norm(sharded, use_input_stats=False)
 
 
 @pytest.mark.multirank(2)
@@ -185,3 +194,89 @@ def test_layer_norm_over_local_dims_has_no_forward_communication(domain_mesh):
     stats = measure_comms(_randomize(MODULES["layer_norm_local"]()), [x], ShardSpec(domain_mesh, [Shard(2)], [4, 3]))
     assert stats.forward.total_calls == 0
     assert stats.backward.counts == {"c10d.allreduce_": 2}  # weight and bias grads completed over the shards
+
+
+def _partial_of(full, rank, mesh):
+    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
+    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
+    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
+    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+
+
+def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
+    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
+    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
+    full = full.detach().requires_grad_(True)
+    expected = fn(full)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
+    (expected * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        local, partial = _partial_of(full, rank, mesh)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out.placements) == placements
+        value = out.full_tensor()
+        torch.testing.assert_close(value, expected)
+        (value * weight).sum().backward()
+        torch.testing.assert_close(local.grad, full.grad)
+        runs.append((value, local.grad))
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+PARTIAL_CASES = {
+    "batch_norm-train": lambda t: F.batch_norm(t, None, None, training=True),
+    "batch_norm-eval": lambda t: F.batch_norm(t, torch.linspace(-1, 1, 3, dtype=t.dtype),
+                                              torch.linspace(0.5, 2, 3, dtype=t.dtype), training=False),
+    "instance_norm": lambda t: F.instance_norm(t),
+    "layer_norm": lambda t: F.layer_norm(t, (4, 4)),
+    "rms_norm": lambda t: F.rms_norm(t, (4,)),
+}
+# rms_norm decomposes: x (Partial) times the replicated 1/rms stays a Partial(sum), which is right.
+PARTIAL_PLACEMENTS = {"rms_norm": (Partial(),)}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(PARTIAL_CASES))
+def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
+    # The fallback sums the partial terms first (Replicate): a norm of a partial sum needs the sum.
+    full = torch.randn(2, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    placements = PARTIAL_PLACEMENTS.get(name, (Replicate(),))
+    _assert_partial_delegated(PARTIAL_CASES[name], full, domain_mesh, rank, "normalization", placements)
+
+
+PARTIAL_MODULES = {
+    "BatchNorm2d": lambda: torch.nn.BatchNorm2d(4),
+    "InstanceNorm2d-stats": lambda: torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+    "LayerNorm": lambda: torch.nn.LayerNorm([6, 5]),
+    "RMSNorm": lambda: torch.nn.RMSNorm([5]),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(PARTIAL_MODULES))
+def test_partial_input_of_a_norm_module_gets_parameter_gradients_and_buffers_right(domain_mesh, rank, name):
+    # The delegate (DTensor fallback) sums the terms first; parameters and running statistics stay right.
+    import copy
+
+    torch.manual_seed(0)
+    reference = _randomize(PARTIAL_MODULES[name]()).double()
+    module = copy.deepcopy(reference)
+    full = torch.randn(3, 4, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    leaf = full.clone().requires_grad_(True)
+    expected = reference(leaf)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
+    (expected * weight).sum().backward()
+    local, partial = _partial_of(full, rank, domain_mesh)
+    out = module(partial)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    (out.full_tensor() * weight).sum().backward()
+    torch.testing.assert_close(local.grad, leaf.grad)  # each rank's term gets the whole gradient
+    for (n, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, ShardTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, msg=n)
+    for (n, b), (_, c) in zip(module.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(b, c, msg=n)

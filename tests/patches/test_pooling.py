@@ -182,12 +182,29 @@ def test_disjoint_windows_delegate_to_builtin_without_communication(domain_mesh)
         physicsnemo_shardext.builtin_handler = original
 
 
+PARTIAL_REFUSED = {
+    # The built-in max-pools each rank's term (wrong); the others: the fallback's backward has no DTensor rule.
+    "max_pool2d": (lambda t: F.max_pool2d(t, 2), "max of a partial sum"),
+    "max_pool1d": (lambda t: F.max_pool1d(t, 3, 1), "max of a partial sum"),
+    "max_pool3d": (lambda t: F.max_pool3d(t, 2), "max of a partial sum"),
+    "max_pool3d-indices": (lambda t: F.max_pool3d(t, 2, return_indices=True), "backward"),
+    "adaptive_avg_pool3d": (lambda t: F.adaptive_avg_pool3d(t, 2), "backward"),
+    "adaptive_max_pool2d": (lambda t: F.adaptive_max_pool2d(t, 2), "backward"),
+    "adaptive_max_pool1d-indices": (lambda t: F.adaptive_max_pool1d(t, 2, return_indices=True), "backward"),
+}
+
+
 @pytest.mark.multirank(2)
-def test_partial_input_is_refused(domain_mesh, rank):
-    partial = ShardTensor.from_local(torch.randn(1, 2, 4, 4), domain_mesh, [Partial()], sharding_shapes={})
-    for fn in (lambda t: F.max_pool2d(t, 3, 1), lambda t: F.adaptive_avg_pool2d(t, 1)):
-        with pytest.raises(MissingShardPatch, match="Partial"):
-            fn(partial)
+@pytest.mark.parametrize("name", sorted(PARTIAL_REFUSED))
+def test_partial_input_is_refused_where_the_delegate_is_wrong_or_fails(domain_mesh, rank, name):
+    fn, why = PARTIAL_REFUSED[name]
+    partial = ShardTensor.from_local(torch.randn(1, 2, 4, 4, 4), domain_mesh, [Partial()], sharding_shapes={})
+    if "1d" in name:
+        partial = ShardTensor.from_local(torch.randn(1, 2, 6), domain_mesh, [Partial()], sharding_shapes={})
+    elif "2d" in name:
+        partial = ShardTensor.from_local(torch.randn(1, 2, 4, 6), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match=f"Partial.*{why}"):
+        fn(partial)
 
 
 @pytest.mark.multirank(2)
@@ -203,3 +220,78 @@ def test_partial_input_of_avg_pool_is_delegated_to_the_builtin(domain_mesh, rank
     with physicsnemo_shardext.disabled(plugins=["pooling"]):
         builtin = F.avg_pool2d(partial, 2)
     torch.testing.assert_close(out.to_local(), builtin.to_local())
+
+
+def _partial_of(full, rank, mesh):
+    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
+    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
+    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
+    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+
+
+def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
+    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
+    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
+    full = full.detach().requires_grad_(True)
+    expected = fn(full)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
+    (expected * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        local, partial = _partial_of(full, rank, mesh)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out.placements) == placements
+        value = out.full_tensor()
+        torch.testing.assert_close(value, expected)
+        (value * weight).sum().backward()
+        torch.testing.assert_close(local.grad, full.grad)
+        runs.append((value, local.grad))
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+PARTIAL_DELEGATED = {
+    # name: (fn, input shape, output placements); avg: the built-in pools each term, the others: the fallback.
+    "avg_pool2d": (lambda t: F.avg_pool2d(t, 2), (1, 2, 4, 6), (Partial(),)),
+    "avg_pool1d": (lambda t: F.avg_pool1d(t, 2), (1, 2, 6), (Partial(),)),
+    "avg_pool3d": (lambda t: F.avg_pool3d(t, 2), (1, 2, 4, 4, 4), (Partial(),)),
+    "max_pool2d-indices": (lambda t: F.max_pool2d(t, 2, return_indices=True)[0], (1, 2, 4, 6), (Replicate(),)),
+    "max_pool1d-indices": (lambda t: F.max_pool1d(t, 3, 1, return_indices=True)[0], (1, 2, 6), (Replicate(),)),
+    "adaptive_avg_pool2d-1": (lambda t: F.adaptive_avg_pool2d(t, 1), (1, 2, 4, 6), (Replicate(),)),  # via mean
+    "adaptive_avg_pool2d-3": (lambda t: F.adaptive_avg_pool2d(t, 3), (1, 2, 4, 6), (Partial(),)),
+    "adaptive_avg_pool1d": (lambda t: F.adaptive_avg_pool1d(t, 4), (1, 2, 6), (Partial(),)),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(PARTIAL_DELEGATED))
+def test_partial_input_is_delegated_where_the_delegate_is_right(domain_mesh, rank, name):
+    fn, shape, placements = PARTIAL_DELEGATED[name]
+    full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    _assert_partial_delegated(fn, full, domain_mesh, rank, "pooling", placements)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("stride", [1, (2, 1)], ids=["stride1", "stride-tuple"])
+def test_partial_avg_pool_with_other_strides_is_pooled_term_by_term(domain_mesh, rank, stride):
+    # The built-in refuses stride != kernel_size; an average is linear, so each rank's term is pooled here.
+    full = torch.randn(1, 2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def fn(t):
+        return F.avg_pool2d(t, 3, stride, padding=1, ceil_mode=True, count_include_pad=False)
+
+    reference = full.clone().requires_grad_(True)
+    expected = fn(reference)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
+    (expected * weight).sum().backward()
+    local, partial = _partial_of(full, rank, domain_mesh)
+    out = fn(partial)
+    assert tuple(out.placements) == (Partial(),)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    (out.full_tensor() * weight).sum().backward()
+    torch.testing.assert_close(local.grad, reference.grad)
+    with physicsnemo_shardext.disabled(plugins=["pooling"]), pytest.raises(MissingShardPatch, match="matching stride"):
+        fn(partial)  # what the delegate does

@@ -7,10 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.roll_flip import FLIP_TARGETS, ROLL_TARGETS, sharded_flip, sharded_roll
 from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, shard_tensor
 
@@ -145,13 +144,57 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh, rank):
         assert patched.stats.total_bytes <= bound < fallback.stats.total_bytes
 
 
+def _assert_partial_is_delegated(fn, shape, mesh, rank, plugin):
+    """A Partial(sum) input whose terms sum to ``full``: values, placements and grads match one process and the plugin-disabled run."""
+    torch.manual_seed(0)
+    full, share = torch.randn(shape), torch.rand(shape)
+    ref_in = full.clone().requires_grad_(True)
+    ref = fn(ref_in)
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
+        partial = ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out._spec.placements) == (Partial(),)
+        torch.testing.assert_close(out.full_tensor(), ref)
+        (out.full_tensor() * weight).sum().backward()
+        torch.testing.assert_close(local.grad, ref_in.grad)
+        runs.append((out.to_local(), local.grad))
+    torch.testing.assert_close(runs[0], runs[1])
+
+
+PARTIAL_PERMUTATIONS = {
+    "roll": lambda t: torch.roll(t, 1, 0),
+    "roll-no-dims": lambda t: torch.roll(t, 2),
+    "Tensor.roll": lambda t: t.roll((1, 2), (0, 1)),
+    "flip": lambda t: torch.flip(t, [0, 1]),
+    "fliplr": lambda t: torch.fliplr(t),
+    "Tensor.flipud": lambda t: t.flipud(),
+}
+
+
 @pytest.mark.multirank(2)
-def test_refused_configurations(domain_mesh, rank):
-    x = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
-    with pytest.raises(MissingShardPatch, match="roll without dims"):
-        torch.roll(x, 2)
-    partial = ShardTensor.from_local(torch.full((2, 3), float(rank)), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.flip(partial, [0])
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.roll(partial, 1, 0)
+@pytest.mark.parametrize("name", sorted(PARTIAL_PERMUTATIONS))
+def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
+    # A permutation of a pending sum: the DTensor fallback permutes each rank's term.
+    _assert_partial_is_delegated(PARTIAL_PERMUTATIONS[name], (4, 3), domain_mesh, rank, "roll_flip")
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [None, [3, 2]], ids=["even", "uneven"])
+def test_roll_without_dims_of_a_sharded_tensor_is_delegated(domain_mesh, split):
+    # A roll of the flattened tensor: the DTensor fallback gathers it (forward and grads right).
+    x = torch.randn(5, 6)
+    check_conformance(lambda t: torch.roll(t, 3), [x], ShardSpec(domain_mesh, [Shard(0)], split),
+                      expected_placements=[Replicate()])
+    out = torch.roll(shard_tensor(x, domain_mesh, [Shard(0)], split), 3)
+    with physicsnemo_shardext.disabled(plugins=["roll_flip"]):
+        baseline = torch.roll(shard_tensor(x, domain_mesh, [Shard(0)], split), 3)
+    assert tuple(out._spec.placements) == tuple(baseline._spec.placements)
+    torch.testing.assert_close(out.to_local(), baseline.to_local())

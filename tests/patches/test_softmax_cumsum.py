@@ -166,11 +166,6 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
 @pytest.mark.multirank(2)
 def test_refused_configurations(domain_mesh, rank):
     x = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
-    partial = ShardTensor.from_local(torch.full((2, 3), float(rank)), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.softmax(partial, 0)
-    with pytest.raises(MissingShardPatch, match="Partial"):
-        torch.cumsum(partial, 1)
     with pytest.raises(MissingShardPatch, match="out= is not supported"):
         torch.cumsum(x, 0, out=torch.empty(4, 6))
     with pytest.raises(MissingShardPatch, match="dim='h'"):
@@ -180,3 +175,53 @@ def test_refused_configurations(domain_mesh, rank):
         torch.softmax(ints, 0)
     torch.testing.assert_close(torch.softmax(ints, 0, dtype=torch.float64).full_tensor(),
                                torch.softmax(torch.arange(6).reshape(3, 2), 0, dtype=torch.float64))
+
+
+def _partial_of(full, rank, mesh):
+    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
+    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
+    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
+    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+
+
+def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
+    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
+    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
+    full = full.detach().requires_grad_(True)
+    expected = fn(full)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
+    (expected * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        local, partial = _partial_of(full, rank, mesh)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out.placements) == placements
+        value = out.full_tensor()
+        torch.testing.assert_close(value, expected)
+        (value * weight).sum().backward()
+        torch.testing.assert_close(local.grad, full.grad)
+        runs.append((value, local.grad))
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+PARTIAL_CASES = {
+    "softmax": (lambda t: F.softmax(t, 1), (Replicate(),)),
+    "torch.softmax": (lambda t: torch.softmax(t, -1), (Replicate(),)),
+    "log_softmax": (lambda t: F.log_softmax(t, 1), (Replicate(),)),
+    "softmin": (lambda t: F.softmin(t, 0), (Replicate(),)),
+    "cumsum": (lambda t: torch.cumsum(t, 1), (Partial(),)),
+    "Tensor.cumsum": (lambda t: t.cumsum(0), (Partial(),)),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(PARTIAL_CASES))
+def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
+    # The fallback sums the terms before a softmax (Replicate) and keeps the Partial(sum) of a cumsum (linear).
+    fn, placements = PARTIAL_CASES[name]
+    full = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    _assert_partial_delegated(fn, full, domain_mesh, rank, "softmax_cumsum", placements)

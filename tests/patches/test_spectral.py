@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from physicsnemo.nn.module.spectral_layers import SpectralConv2d, SpectralConv3d
-from torch.distributed.tensor import Shard
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import Partial, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
@@ -104,6 +105,60 @@ def test_einsum_refuses_to_contract_a_sharded_index(domain_mesh):
     other = shard_tensor(torch.randn(2, 3, 6), domain_mesh, [Shard(2)], [3, 3])
     with pytest.raises(MissingShardPatch, match="sharded differently"):
         torch.einsum("bxy,bxy->bxy", xs, other)
+
+
+def _assert_partial_is_delegated(fn, shape, mesh, rank, plugin):
+    """A Partial(sum) input whose terms sum to ``full``: values, placements and grads match one process and the plugin-disabled run."""
+    torch.manual_seed(0)
+    full, share = torch.randn(shape), torch.rand(shape)
+    ref_in = full.clone().requires_grad_(True)
+    ref = fn(ref_in)
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
+        partial = ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=[plugin]):
+                out = fn(partial)
+        else:
+            out = fn(partial)
+        assert tuple(out._spec.placements) == (Partial(),)
+        torch.testing.assert_close(out.full_tensor(), ref)
+        (out.full_tensor() * weight).sum().backward()
+        torch.testing.assert_close(local.grad, ref_in.grad)
+        runs.append((out.to_local(), local.grad))
+    torch.testing.assert_close(runs[0], runs[1])
+
+
+PARTIAL_EINSUMS = {
+    "partial-times-weight": lambda t: torch.einsum("bi,io->bo", t, torch.arange(15.0).reshape(5, 3)),
+    "spectral-mix": lambda t: torch.einsum("bixy,ioxy->boxy", t.reshape(1, 5, 5, 1),
+                                           torch.linspace(-1, 1, 50).reshape(5, 2, 5, 1)),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", ["partial-times-weight", "spectral-mix"])
+def test_einsum_with_a_partial_operand_is_delegated(domain_mesh, rank, name):
+    # Linear in the Partial(sum) operand: the DTensor fallback keeps the pending sum (forward and grads right).
+    _assert_partial_is_delegated(PARTIAL_EINSUMS[name], (5, 5), domain_mesh, rank, "spectral")
+
+
+@pytest.mark.multirank(2)
+def test_setitem_refusals_where_the_fallback_fails_or_is_wrong(domain_mesh, rank):
+    # Measured on 2 ranks with the plugin disabled: fill_/index_put_ have no strategy, so the
+    # DTensor fallback raises for these; a misaligned value is covered in the test above.
+    partial = ShardTensor.from_local(torch.randn(4, 3), domain_mesh, [Partial()], sharding_shapes={})
+    target = partial * 1.0
+    with pytest.raises(MissingShardPatch, match="Partial placement.*fallback fails too"):
+        target[1:3] = 5.0
+    xs = shard_tensor(torch.randn(5, 3), domain_mesh, [Shard(0)], [3, 2]) * 1.0
+    with pytest.raises(MissingShardPatch, match="int index on sharded dim 0.*fallback fails too"):
+        xs[3] = 7.0
+    with physicsnemo_shardext.disabled(plugins=["spectral"]), pytest.raises(NotImplementedError, match="fill_"):
+        xs[3] = 7.0
 
 
 # -- slice assignment -------------------------------------------------------------------------
