@@ -50,12 +50,19 @@ Output placement (one all-to-all per sharded transform dim, none back):
 
 Delegated (to the DTensor fallback, which gathers the field; forward and gradients
 checked on 2 ranks against a single process): ``Partial`` inputs (a transform is
-linear, the result stays ``Partial(sum)``), ``out=`` a plain tensor, a sharded
-tensor that is not the input, and a sharded transform dim with no other dim to
-move the shard to (a 1-D signal; even and uneven splits, result ``Replicate``).
+linear, the result stays ``Partial(sum)``), a sharded transform dim with no other
+dim to move the shard to (a 1-D signal; even and uneven splits, result
+``Replicate``), and an input that is not a ShardTensor (defensive: without
+``out=`` a transform has no other tensor argument).
 
-Refused (``MissingShardPatch``): nothing of its own (``out=`` a sharded buffer
-is delegated but only ``out=`` a plain tensor was measured).
+Refused (``MissingShardPatch``): ``out=`` (a plain or a ShardTensor buffer). The
+fallback is not reliable there, measured on 2 ranks: ``rfft`` of a tensor sharded
+5/4 on an untransformed dim, into a buffer of the right shape, leaves wrong values
+in the buffer without an error depending on which ``out=`` call ran before it
+(plain after ShardTensor or the reverse); buffers split 6/3 or 9/0 raise
+``ValueError``, a buffer sharded on the transform dim raises (no sharding
+strategy), and a buffer of another shape raises ``IndexError`` where torch would
+resize it.
 
 Example (2 ranks, x of shape (1, 3, 16, 16) sharded [Shard(2)])::
 
@@ -304,6 +311,16 @@ def _partner(
     return pending[-1] if pending else None
 
 
+#: Why ``out=`` is refused rather than delegated (measured on 2 gloo ranks, torch 2.14).
+OUT_REFUSAL = (
+    "refused because the DTensor fallback writes out= wrongly: the same call (rfft of a (2, 3, 9, 6) "
+    "tensor sharded 5/4 on dim 2, into a buffer of the right shape) leaves wrong values in a plain or "
+    "ShardTensor buffer, without an error, depending on which out= call ran before it, and raises on "
+    "buffers split 6/3 or 9/0, sharded on the transform dim, or of another shape; call it without out= "
+    "and copy the result"
+)
+
+
 class _NoFreeDim(MissingShardPatch):
     """A sharded transform dim with no other dim to take its shard (``distributed_fft`` delegates it)."""
 
@@ -313,8 +330,9 @@ def distributed_fft(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
 
     Configurations this handler does not transpose go to the DTensor fallback
     (``delegate``), which gathers the field and is right for them (checked on 2 ranks,
-    forward and gradients): a ``Partial`` input, ``out=`` (a plain tensor), a sharded tensor
-    that is not the input, a sharded transform dim with no free dim (a 1-D signal).
+    forward and gradients): a ``Partial`` input, a sharded tensor that is not the input,
+    a sharded transform dim with no free dim (a 1-D signal). ``out=`` is refused: the
+    fallback's ``out=`` writes are not reliable (see :data:`OUT_REFUSAL`).
 
     Example::
 
@@ -322,7 +340,7 @@ def distributed_fft(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     """
     name = func.__name__.removeprefix("fft_")  # torch.fft.rfft2.__name__ == "fft_rfft2"
     if kwargs.get("out") is not None:
-        return delegate(func, types, args, kwargs)  # the fallback writes the full result into it
+        raise MissingShardPatch(f"torch.fft.{name}(out=...) on a ShardTensor: {OUT_REFUSAL}")
     tensor, size_arg, dim, norm = _bind(name, args, kwargs)
     if not isinstance(tensor, ShardTensor) or any(p.is_partial() for p in tensor._spec.placements):
         return delegate(func, types, args, kwargs)  # a transform is linear: the fallback is right

@@ -26,13 +26,23 @@ shard. Example: sizes 5/2, ``n=1`` -> output sizes 5/1; sizes 5/1, ``n=2``
 Delegated (to the DTensor fallback, which gathers the input; forward and
 gradients checked on 2 ranks against a single process): ``Partial`` inputs
 (linear stencils; the result stays ``Partial(sum)``), plain coordinate tensors
-that require grad, and ``prepend``/``append`` given as ShardTensors (even and
-uneven splits).
+that require grad, and ``prepend``/``append`` given as ShardTensors that are
+``Replicate`` or sharded on the diff dim only, next to an input sharded on the
+diff dim only (or replicated, or ``Partial``): even and uneven splits; sharded
+on other dims too where every shard holds ``torch.chunk``'s rows.
 
-Refused (``MissingShardPatch``; not yet measured against the fallback): coordinate
-tensors that are ShardTensors/DTensors, plain ``prepend``/``append`` that require
-grad while ShardTensor's promotion of plain tensors is disabled, spacing of
-another type, non-int dims.
+Refused (``MissingShardPatch``): ``prepend``/``append`` as ShardTensors sharded
+on another dim, or next to an input sharded on another dim, unless every shard
+holds ``torch.chunk``'s rows (DTensor's own layout, where the fallback is right);
+measured on other splits (6/1, 7/0): the fallback raises "Sizes of tensors must
+match", and with an input that requires grad one rank raises while the other
+hangs; coordinate
+tensors that are ShardTensors/DTensors (the fallback was measured right for
+``Replicate`` ones and for 1-D ones split like the input's dim, not yet for
+others, so they are not delegated yet); not yet measured against the fallback:
+plain ``prepend``/``append`` that require grad while ShardTensor's promotion of
+plain tensors is disabled, spacing of another type, non-int dims (torch itself
+raises ``TypeError`` for a named dim).
 
 Example (2 ranks, ``x`` of shape (4, 17) sharded ``Shard(1)`` 10/7)::
 
@@ -76,6 +86,32 @@ def _has_grad_coordinates(spacing: Any) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(s, torch.Tensor) and not isinstance(s, DTensor) and s.requires_grad for s in items
     )
+
+
+def _holds_torch_chunks(t: ShardTensor) -> bool:
+    """Whether every sharded dim of ``t`` holds ``torch.chunk``'s rows, none empty (DTensor's own layout)."""
+    for layout in sharded_dims(t).values():
+        if list(layout.sizes) != [len(c) for c in torch.arange(layout.total).chunk(layout.parts)]:
+            return False
+    return True
+
+
+def _fallback_takes_extras(x: Any, dim: Any, extras: Sequence[ShardTensor]) -> bool:
+    """Whether the DTensor fallback runs ``torch.diff`` right with these ShardTensor prepend/append.
+
+    Measured on 2 ranks (forward and gradients, even and uneven splits): right when no tensor
+    (``x`` or an extra) is sharded on a dim other than ``dim`` (``x`` may also be ``Partial``);
+    with a shard on another dim, right only where every shard holds ``torch.chunk``'s rows
+    (DTensor's own layout), else it raises, or one rank raises while the other hangs.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or not isinstance(x, torch.Tensor):
+        return False
+    d = dim % max(x.ndim, 1)
+    if any(e.ndim != x.ndim or any(p.is_partial() for p in e.placements) for e in extras):
+        return False
+    sharded = [t for t in (x, *extras) if isinstance(t, ShardTensor)]
+    off_dim = any(p.is_shard() and p.dim % t.ndim != d for t in sharded for p in t.placements)
+    return not off_dim or all(_holds_torch_chunks(t) for t in sharded)
 
 
 # -- torch.gradient ------------------------------------------------------------------------
@@ -257,8 +293,17 @@ def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     bound = {name: default for name, default in names}
     bound.update(zip((nm for nm, _ in names), args[1:]))
     bound.update(kwargs)
-    if _is_partial(args[0]) or any(isinstance(bound[k], ShardTensor) for k in ("prepend", "append")):
-        return delegate(func, types, args, kwargs)
+    extras = [bound[k] for k in ("prepend", "append") if isinstance(bound[k], ShardTensor)]
+    if extras and not _fallback_takes_extras(args[0], bound["dim"], extras):
+        raise MissingShardPatch(
+            f"{describe_target(func)}: prepend/append as a ShardTensor, with the input or it sharded on a dim "
+            f"other than dim={bound['dim']} on splits that are not torch.chunk's (placements "
+            f"{[tuple(t.placements) for t in [args[0], *extras] if isinstance(t, DTensor)]}), is not supported: "
+            "the DTensor fallback raises there, or one rank raises while the other hangs (measured on 2 ranks); "
+            "pass a plain tensor (identical on every rank)"
+        )
+    if _is_partial(args[0]) or extras:
+        return delegate(func, types, args, kwargs)  # linear in x / extra rows the fallback aligns right
     x = require_shard_input(func, args[0])
     n, dim = int(bound["n"]), normalize_dim(func, bound["dim"], x.ndim)
     layouts = sharded_dims(x)

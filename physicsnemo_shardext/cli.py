@@ -278,7 +278,7 @@ def _write_doctor_handlers(report: dict[str, Any], out: TextIO) -> None:
         f"Handlers\n  {handlers['total']} in ShardTensor, {handlers['from_plugins']} from plugins, "
         f"{handlers['overriding_builtins']} overriding PhysicsNeMo built-ins\n"
     )
-    for row in report.get("drift") or report.get("drifted") or []:
+    for row in report.get("drift") or []:
         out.write(
             f"  DRIFT {row['level']} {row['target']}: ShardTensor calls {row['handler'] or 'nothing'}, "
             f"recorded {row['recorded_handler'] or 'nothing'} ({row['drift_reason']})\n"

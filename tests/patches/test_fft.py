@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.fft import FFT_FUNCTIONS, distributed_fft, parse_fft_call
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 from physicsnemo_shardext.testing.conformance import Mismatch, _compare
@@ -223,17 +224,32 @@ def test_a_sharded_1d_signal_is_delegated_to_the_fallback(domain_mesh, split, na
 
 
 @pytest.mark.multirank(2)
-def test_out_is_delegated_to_the_fallback(domain_mesh):
-    x = torch.randn(2, 8)
-    results = []
-    for disabled in (False, True):
-        buf = torch.empty(2, 8, dtype=torch.complex64)
-        ys = shard_tensor(x, domain_mesh, [Shard(0)])
-        if disabled:
-            with physicsnemo_shardext.disabled(plugins=["fft"]):
-                torch.fft.fft(ys, dim=1, out=buf)
-        else:
-            torch.fft.fft(ys, dim=1, out=buf)  # the DTensor fallback writes the full result into the buffer
-        torch.testing.assert_close(buf, torch.fft.fft(x, dim=1))
-        results.append(buf)
-    torch.testing.assert_close(results[0], results[1])
+@pytest.mark.parametrize("buffer", ["plain", "shard"])
+def test_out_is_refused_with_the_reason(domain_mesh, buffer):
+    x = torch.randn(2, 3, 9, 6)
+    xs = shard_tensor(x, domain_mesh, [Shard(2)], [5, 4])
+    ref = torch.fft.rfft(x, dim=-1)
+    buf = torch.zeros(ref.shape, dtype=ref.dtype)
+    if buffer == "shard":
+        buf = shard_tensor(buf, domain_mesh, [Shard(2)], [5, 4])
+    with pytest.raises(MissingShardPatch, match=r"torch.fft.rfft\(out=...\).*DTensor fallback writes out= wrongly"):
+        torch.fft.rfft(xs, dim=-1, out=buf)
+    with pytest.raises(MissingShardPatch, match="out="):
+        torch.fft.rfft(x, dim=-1, out=shard_tensor(torch.zeros(ref.shape, dtype=ref.dtype), domain_mesh, [Shard(2)]))
+
+
+@pytest.mark.multirank(2)
+def test_the_fallbacks_out_writes_depend_on_the_previous_call(domain_mesh):
+    # Why out= stays refused: with the plugin off, the same rfft(out=...) call writes wrong values
+    # (no error) once an out= call of the other buffer kind ran before it. If this starts passing
+    # on a newer torch, out= can be delegated.
+    x = torch.randn(2, 3, 9, 6)
+    ref = torch.fft.rfft(x, dim=-1)
+    xs = shard_tensor(x, domain_mesh, [Shard(2)], [5, 4])
+    with physicsnemo_shardext.disabled(plugins=["fft"]):
+        plain = torch.zeros(ref.shape, dtype=ref.dtype)
+        torch.fft.rfft(xs, dim=-1, out=plain)
+        sharded = shard_tensor(torch.zeros(ref.shape, dtype=ref.dtype), domain_mesh, [Shard(2)], [5, 4])
+        torch.fft.rfft(xs, dim=-1, out=sharded)
+    right = [torch.allclose(plain, ref, atol=1e-5), torch.allclose(sharded.full_tensor(), ref, atol=1e-5)]
+    assert right != [True, True]  # measured: [True, False] in a fresh process ([False, True] if reversed)

@@ -8,6 +8,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
+from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.finite_differences import diff_output_sizes, sharded_diff, sharded_gradient
 from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, shard_tensor
 
@@ -223,3 +224,53 @@ def test_refused_configurations_and_torch_errors(domain_mesh, rank):
         torch.gradient(short, dim=0, edge_order=2)
     with pytest.raises(RuntimeError, match="prepend"):
         torch.diff(x, dim=0, prepend=torch.randn(1, 5))
+
+
+# (x sharded dim, x split, diff dim, extra shape, extra placement dim or None for Replicate, extra split)
+SHARD_TENSOR_EXTRAS = {
+    "replicate-extra-on-the-sharded-diff-dim": (1, [6, 1], 1, (3, 3, 5), None, None),
+    "extra-sharded-on-the-diff-dim": (1, [6, 1], 1, (3, 3, 5), 1, [3, 0]),
+    "extra-sharded-on-the-diff-dim-thin": (1, [6, 1], 1, (3, 3, 5), 1, [0, 3]),
+    "other-dim-on-torch-chunks": (1, [4, 3], 2, (3, 7, 1), 1, [4, 3]),
+    "replicate-extra-other-dim-on-torch-chunks": (1, [4, 3], 2, (3, 7, 1), None, None),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("kw", ["prepend", "append"])
+@pytest.mark.parametrize("name", sorted(SHARD_TENSOR_EXTRAS))
+def test_shard_tensor_extras_are_delegated_where_the_fallback_is_right(domain_mesh, name, kw):
+    xd, xsplit, dim, shape, ed, esplit = SHARD_TENSOR_EXTRAS[name]
+    x, extra = torch.randn(3, 7, 5), torch.randn(shape)
+    x_ref = x.clone().requires_grad_(True)
+    ref = torch.diff(x_ref, dim=dim, **{kw: extra})
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        xs = shard_tensor(x, domain_mesh, [Shard(xd)], xsplit, requires_grad=True)
+        es = shard_tensor(extra, domain_mesh, [Replicate()] if ed is None else [Shard(ed)], esplit)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=["finite_differences"]):
+                out = torch.diff(xs, dim=dim, **{kw: es})
+        else:
+            out = torch.diff(xs, dim=dim, **{kw: es})
+        torch.testing.assert_close(out.full_tensor(), ref)
+        (out.full_tensor() * weight).sum().backward()
+        torch.testing.assert_close(xs.grad.full_tensor(), x_ref.grad)
+        runs.append((tuple(out._spec.placements), out.to_local(), xs.grad.to_local()))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1:], runs[1][1:])
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[6, 1], [7, 0]])
+def test_shard_tensor_extras_off_the_diff_dim_on_other_splits_are_refused(domain_mesh, split):
+    # Measured with the plugin off: the fallback raises ("Sizes of tensors must match"), or with an
+    # input requiring grad one rank raises while the other hangs.
+    xs = shard_tensor(torch.randn(3, 7, 5), domain_mesh, [Shard(1)], split, requires_grad=True)
+    like_x = shard_tensor(torch.randn(3, 7, 1), domain_mesh, [Shard(1)], split)
+    replicated = shard_tensor(torch.randn(3, 7, 1), domain_mesh, [Replicate()])
+    for extra in (like_x, replicated):
+        with pytest.raises(MissingShardPatch, match=r"prepend/append as a ShardTensor.*not torch.chunk's.*hangs"):
+            torch.diff(xs, dim=2, prepend=extra)
