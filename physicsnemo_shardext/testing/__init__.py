@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "check_conformance": "conformance",
     "measure_comms": "conformance",
     "ConformanceError": "conformance",
+    "check_delegation": "delegation",
+    "partial_terms": "delegation",
     "ConformanceReport": "conformance",
     "Mismatch": "conformance",
     # communication accounting

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.normalization import NORMALIZATION_TARGETS
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, partial_terms, shard_tensor
 
 
 def test_plugins_are_loaded_through_their_entry_points():
@@ -196,37 +196,6 @@ def test_layer_norm_over_local_dims_has_no_forward_communication(domain_mesh):
     assert stats.backward.counts == {"c10d.allreduce_": 2}  # weight and bias grads completed over the shards
 
 
-def _partial_of(full, rank, mesh):
-    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
-    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
-    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
-    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
-
-
-def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
-    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
-    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
-    full = full.detach().requires_grad_(True)
-    expected = fn(full)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
-    (expected * weight).sum().backward()
-    runs = []
-    for disabled in (False, True):
-        local, partial = _partial_of(full, rank, mesh)
-        if disabled:
-            with physicsnemo_shardext.disabled(plugins=[plugin]):
-                out = fn(partial)
-        else:
-            out = fn(partial)
-        assert tuple(out.placements) == placements
-        value = out.full_tensor()
-        torch.testing.assert_close(value, expected)
-        (value * weight).sum().backward()
-        torch.testing.assert_close(local.grad, full.grad)
-        runs.append((value, local.grad))
-    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
-
-
 PARTIAL_CASES = {
     "batch_norm-train": lambda t: F.batch_norm(t, None, None, training=True),
     "batch_norm-eval": lambda t: F.batch_norm(t, torch.linspace(-1, 1, 3, dtype=t.dtype),
@@ -245,7 +214,7 @@ def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
     # The fallback sums the partial terms first (Replicate): a norm of a partial sum needs the sum.
     full = torch.randn(2, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     placements = PARTIAL_PLACEMENTS.get(name, (Replicate(),))
-    _assert_partial_delegated(PARTIAL_CASES[name], full, domain_mesh, rank, "normalization", placements)
+    check_delegation(PARTIAL_CASES[name], full, domain_mesh, rank, "normalization", placements)
 
 
 PARTIAL_MODULES = {
@@ -270,7 +239,7 @@ def test_partial_input_of_a_norm_module_gets_parameter_gradients_and_buffers_rig
     expected = reference(leaf)
     weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
     (expected * weight).sum().backward()
-    local, partial = _partial_of(full, rank, domain_mesh)
+    local, partial = partial_terms(full, domain_mesh, rank)
     out = module(partial)
     torch.testing.assert_close(out.full_tensor(), expected)
     (out.full_tensor() * weight).sum().backward()

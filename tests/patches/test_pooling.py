@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.pooling import adaptive_pool_handler, pool_handler
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, partial_terms, shard_tensor
 
 POOLS = {
     "max-k2-odd-shards": lambda x: F.max_pool2d(x, 2),
@@ -222,37 +222,6 @@ def test_partial_input_of_avg_pool_is_delegated_to_the_builtin(domain_mesh, rank
     torch.testing.assert_close(out.to_local(), builtin.to_local())
 
 
-def _partial_of(full, rank, mesh):
-    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
-    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
-    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
-    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
-
-
-def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
-    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
-    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
-    full = full.detach().requires_grad_(True)
-    expected = fn(full)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
-    (expected * weight).sum().backward()
-    runs = []
-    for disabled in (False, True):
-        local, partial = _partial_of(full, rank, mesh)
-        if disabled:
-            with physicsnemo_shardext.disabled(plugins=[plugin]):
-                out = fn(partial)
-        else:
-            out = fn(partial)
-        assert tuple(out.placements) == placements
-        value = out.full_tensor()
-        torch.testing.assert_close(value, expected)
-        (value * weight).sum().backward()
-        torch.testing.assert_close(local.grad, full.grad)
-        runs.append((value, local.grad))
-    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
-
-
 PARTIAL_DELEGATED = {
     # name: (fn, input shape, output placements); avg: the built-in pools each term, the others: the fallback.
     "avg_pool2d": (lambda t: F.avg_pool2d(t, 2), (1, 2, 4, 6), (Partial(),)),
@@ -271,7 +240,7 @@ PARTIAL_DELEGATED = {
 def test_partial_input_is_delegated_where_the_delegate_is_right(domain_mesh, rank, name):
     fn, shape, placements = PARTIAL_DELEGATED[name]
     full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    _assert_partial_delegated(fn, full, domain_mesh, rank, "pooling", placements)
+    check_delegation(fn, full, domain_mesh, rank, "pooling", placements)
 
 
 @pytest.mark.multirank(2)
@@ -287,7 +256,7 @@ def test_partial_avg_pool_with_other_strides_is_pooled_term_by_term(domain_mesh,
     expected = fn(reference)
     weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
     (expected * weight).sum().backward()
-    local, partial = _partial_of(full, rank, domain_mesh)
+    local, partial = partial_terms(full, domain_mesh, rank)
     out = fn(partial)
     assert tuple(out.placements) == (Partial(),)
     torch.testing.assert_close(out.full_tensor(), expected)

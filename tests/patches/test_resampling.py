@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.resampling import cubic_source_rows, interpolate_handler, source_rows
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, shard_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -196,37 +196,6 @@ def test_partial_input_of_interpolate_is_delegated_to_the_builtin(domain_mesh, r
     torch.testing.assert_close(out.to_local(), builtin.to_local())
 
 
-def _partial_of(full, rank, mesh):
-    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
-    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
-    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
-    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
-
-
-def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
-    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
-    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
-    full = full.detach().requires_grad_(True)
-    expected = fn(full)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
-    (expected * weight).sum().backward()
-    runs = []
-    for disabled in (False, True):
-        local, partial = _partial_of(full, rank, mesh)
-        if disabled:
-            with physicsnemo_shardext.disabled(plugins=[plugin]):
-                out = fn(partial)
-        else:
-            out = fn(partial)
-        assert tuple(out.placements) == placements
-        value = out.full_tensor()
-        torch.testing.assert_close(value, expected)
-        (value * weight).sum().backward()
-        torch.testing.assert_close(local.grad, full.grad)
-        runs.append((value, local.grad))
-    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
-
-
 PARTIAL_DELEGATED = {
     # name: (fn, input shape); a permutation (fallback) or linear resize (built-in): the Partial(sum) stays.
     "pixel_shuffle": (lambda t: F.pixel_shuffle(t, 2), (1, 8, 3, 3)),
@@ -241,4 +210,4 @@ PARTIAL_DELEGATED = {
 def test_partial_input_is_delegated_values_and_gradients(domain_mesh, rank, name):
     fn, shape = PARTIAL_DELEGATED[name]
     full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    _assert_partial_delegated(fn, full, domain_mesh, rank, "resampling", (Partial(),))
+    check_delegation(fn, full, domain_mesh, rank, "resampling", (Partial(),))

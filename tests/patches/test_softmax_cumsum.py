@@ -7,13 +7,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.softmax_cumsum import CUMSUM_TARGETS, SOFTMAX_TARGETS, sharded_cumsum, sharded_softmax
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, shard_tensor
 
 SHAPE = (2, 3, 17, 5)  # sharded along dim 2
 STAT_ROW_BYTES = 2 * 3 * 5 * 4  # one float32 statistic per (batch, channel, width) row
@@ -177,37 +176,6 @@ def test_refused_configurations(domain_mesh, rank):
                                torch.softmax(torch.arange(6).reshape(3, 2), 0, dtype=torch.float64))
 
 
-def _partial_of(full, rank, mesh):
-    """A Partial(sum) ShardTensor whose two ranks' local terms (leaves) add up to ``full``."""
-    share = torch.rand(full.shape, generator=torch.Generator().manual_seed(1), dtype=full.dtype)
-    local = (full * share if rank == 0 else full * (1 - share)).detach().requires_grad_(True)
-    return local, ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={})
-
-
-def _assert_partial_delegated(fn, full, mesh, rank, plugin, placements):
-    """``fn`` of a Partial(sum) input: values, placements and every term's gradient match single-process
-    (the gradient of each summand is the whole gradient) and the run with ``plugin`` switched off."""
-    full = full.detach().requires_grad_(True)
-    expected = fn(full)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2), dtype=expected.dtype)
-    (expected * weight).sum().backward()
-    runs = []
-    for disabled in (False, True):
-        local, partial = _partial_of(full, rank, mesh)
-        if disabled:
-            with physicsnemo_shardext.disabled(plugins=[plugin]):
-                out = fn(partial)
-        else:
-            out = fn(partial)
-        assert tuple(out.placements) == placements
-        value = out.full_tensor()
-        torch.testing.assert_close(value, expected)
-        (value * weight).sum().backward()
-        torch.testing.assert_close(local.grad, full.grad)
-        runs.append((value, local.grad))
-    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
-
-
 PARTIAL_CASES = {
     "softmax": (lambda t: F.softmax(t, 1), (Replicate(),)),
     "torch.softmax": (lambda t: torch.softmax(t, -1), (Replicate(),)),
@@ -224,4 +192,4 @@ def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
     # The fallback sums the terms before a softmax (Replicate) and keeps the Partial(sum) of a cumsum (linear).
     fn, placements = PARTIAL_CASES[name]
     full = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    _assert_partial_delegated(fn, full, domain_mesh, rank, "softmax_cumsum", placements)
+    check_delegation(fn, full, domain_mesh, rank, "softmax_cumsum", placements)
