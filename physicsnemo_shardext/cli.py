@@ -103,7 +103,7 @@ def contained(step: str, errors: list[str], action: Callable[[], T], default: T)
     try:
         return action()
     except BaseException as error:  # SystemExit, GeneratorExit, KeyboardInterrupt subclasses ...
-        # SIGINT raises exactly KeyboardInterrupt; a subclass can only be a plugin's own.
+        # errors.is_user_interrupt's rule, inlined: this module must import without torch.
         if type(error) is KeyboardInterrupt:
             raise
         errors.append(f"{step}: {type(error).__name__}: {error}")

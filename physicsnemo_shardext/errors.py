@@ -24,6 +24,7 @@ __all__ = [
     "ShardextWarning",
     "UndeclaredPatchError",
     "describe_exception",
+    "is_user_interrupt",
 ]
 
 
@@ -67,6 +68,17 @@ class PatchConflictError(ShardextError):
         )
 
 
+def is_user_interrupt(error: BaseException) -> bool:
+    """Whether ``error`` is a user's Ctrl-C (exactly ``KeyboardInterrupt``), which must propagate.
+
+    >>> class PluginPanic(KeyboardInterrupt): ...
+    >>> is_user_interrupt(KeyboardInterrupt()), is_user_interrupt(PluginPanic()), is_user_interrupt(SystemExit(3))
+    (True, False, False)
+    """
+    # SIGINT's default handler raises this exact type; a subclass can only come from a plugin.
+    return type(error) is KeyboardInterrupt
+
+
 def describe_exception(error: BaseException) -> str:
     """``Type: message`` of any exception, even one whose ``__str__`` itself raises.
 
@@ -81,7 +93,7 @@ def describe_exception(error: BaseException) -> str:
     try:
         message = str(error)
     except BaseException as inner:  # a plugin's exception must not break (or exit) the report about it
-        if type(inner) is KeyboardInterrupt:  # a real Ctrl-C still interrupts, as in the loader
+        if is_user_interrupt(inner):
             raise
         message = f"<unprintable {type(error).__name__}>"
     name = type(error).__name__

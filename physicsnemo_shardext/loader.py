@@ -79,6 +79,7 @@ from physicsnemo_shardext.errors import (
     PluginNameClash,
     ShardextWarning,
     UndeclaredPatchError,
+    is_user_interrupt,
 )
 from physicsnemo_shardext.markers import DISTRIBUTION_NAME, PROJECT_NAME
 from physicsnemo_shardext.provenance import LoadStatus, PluginInfo, PluginReport
@@ -93,7 +94,6 @@ __all__ = [
     "describe_change",
     "discover_entry_points",
     "first_party_names",
-    "is_user_interrupt",
     "name_clashes",
     "plugin_info_for",
 ]
@@ -128,17 +128,6 @@ def plugin_info_for(entry_point: metadata.EntryPoint) -> PluginInfo:
         version=distribution.version if distribution is not None else "",
         source="entry-point",
     )
-
-
-def is_user_interrupt(error: BaseException) -> bool:
-    """Whether ``error`` is a user's Ctrl-C (exactly ``KeyboardInterrupt``), which must propagate.
-
-    >>> class PluginPanic(KeyboardInterrupt): ...
-    >>> is_user_interrupt(KeyboardInterrupt()), is_user_interrupt(PluginPanic()), is_user_interrupt(SystemExit(3))
-    (True, False, False)
-    """
-    # SIGINT's default handler raises this exact type; a subclass can only come from a plugin.
-    return type(error) is KeyboardInterrupt
 
 
 def _plugin_name_key(name: str) -> str:
