@@ -29,20 +29,20 @@ gradients checked on 2 ranks against a single process): ``Partial`` inputs
 that require grad, and ``prepend``/``append`` given as ShardTensors that are
 ``Replicate`` or sharded on the diff dim only, next to an input sharded on the
 diff dim only (or replicated, or ``Partial``): even and uneven splits; sharded
-on other dims too where every shard holds ``torch.chunk``'s rows.
+on other dims too where every shard holds ``torch.chunk``'s rows; coordinate
+tensors in ``spacing`` given as ``Replicate`` ShardTensors or as 1-D ``Shard(0)``
+ShardTensors split exactly like the input's dim they belong to.
 
 Refused (``MissingShardPatch``): ``prepend``/``append`` as ShardTensors sharded
 on another dim, or next to an input sharded on another dim, unless every shard
 holds ``torch.chunk``'s rows (DTensor's own layout, where the fallback is right);
 measured on other splits (6/1, 7/0): the fallback raises "Sizes of tensors must
 match", and with an input that requires grad one rank raises while the other
-hangs; coordinate
-tensors that are ShardTensors/DTensors (the fallback was measured right for
-``Replicate`` ones and for 1-D ones split like the input's dim, not yet for
-others, so they are not delegated yet); not yet measured against the fallback:
+hangs; coordinate tensors that are plain DTensors, or ShardTensors other than
+the delegated ones (not yet measured against the fallback); also not yet measured:
 plain ``prepend``/``append`` that require grad while ShardTensor's promotion of
-plain tensors is disabled, spacing of another type, non-int dims (torch itself
-raises ``TypeError`` for a named dim).
+plain tensors is disabled, spacing of another type; non-int dims are refused
+because the fallback fails too (torch itself raises ``TypeError`` for a named dim).
 
 Example (2 ranks, ``x`` of shape (4, 17) sharded ``Shard(1)`` 10/7)::
 
@@ -114,6 +114,37 @@ def _fallback_takes_extras(x: Any, dim: Any, extras: Sequence[ShardTensor]) -> b
     return not off_dim or all(_holds_torch_chunks(t) for t in sharded)
 
 
+def _fallback_takes_coordinates(x: Any, spacing: Any, dim: Any) -> bool:
+    """Whether ``spacing`` holds ShardTensor coordinates the DTensor fallback was measured right for.
+
+    Measured on 2 ranks (forward and gradients, splits 4/3, 6/1, 7/0): ``Replicate`` ShardTensor
+    coordinates, and 1-D ``Shard(0)`` ones split exactly like the input's dim they belong to.
+    """
+    if not isinstance(x, ShardTensor) or not isinstance(spacing, (list, tuple)):
+        return False
+    items = list(spacing)
+    if not any(isinstance(s, ShardTensor) for s in items) or any(isinstance(s, DTensor) for s in items):
+        return False  # no ShardTensor coordinates, or plain DTensor ones (not measured)
+    dims = list(range(x.ndim)) if dim is None else list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if len(dims) != len(items) or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+        return False
+    try:
+        layouts = sharded_dims(x)
+        for d, coords in zip(dims, items):
+            if not isinstance(coords, ShardTensor) or all(p.is_replicate() for p in coords.placements):
+                continue
+            layout, own = layouts.get(d % x.ndim), sharded_dims(coords)
+            if coords.ndim != 1 or layout is None or set(own) != {0} or coords._spec.mesh != x._spec.mesh:
+                return False
+            if (own[0].mesh_dim, own[0].sizes) != (layout.mesh_dim, layout.sizes) or any(
+                p.is_partial() for p in coords.placements
+            ):
+                return False
+    except MissingShardPatch:  # a dim sharded over several mesh dims
+        return False
+    return True
+
+
 # -- torch.gradient ------------------------------------------------------------------------
 
 
@@ -141,8 +172,10 @@ def _spacing_per_dim(func: Callable, spacing: Any, dims: Sequence[int]) -> list[
         for item in items:
             if isinstance(item, (ShardTensor, DTensor)):
                 raise MissingShardPatch(
-                    f"{describe_target(func)}: sharded coordinate tensors in spacing are not supported; "
-                    "pass plain 1-D coordinate tensors (identical on every rank)"
+                    f"{describe_target(func)}: coordinate tensors in spacing as DTensors, or as ShardTensors "
+                    "other than Replicate ones or 1-D Shard(0) ones split like the input's dim, are not supported "
+                    "(the DTensor fallback is not measured for them); pass plain 1-D coordinate tensors "
+                    "(identical on every rank)"
                 )
             if isinstance(item, torch.Tensor) and item.requires_grad and torch.is_grad_enabled():
                 raise MissingShardPatch(
@@ -181,7 +214,11 @@ def sharded_gradient(func: Callable, types: tuple, args: tuple, kwargs: dict) ->
     kwargs = dict(kwargs)
     if len(args) != 1:
         raise TypeError(f"{describe_target(func)}: takes the input tensor and keyword arguments only")
-    if _is_partial(args[0]) or _has_grad_coordinates(kwargs.get("spacing")):
+    if (
+        _is_partial(args[0])
+        or _has_grad_coordinates(kwargs.get("spacing"))
+        or _fallback_takes_coordinates(args[0], kwargs.get("spacing"), kwargs.get("dim"))
+    ):
         return delegate(func, types, args, kwargs)
     x = require_shard_input(func, args[0])
     spacing, dim, edge_order = kwargs.pop("spacing", None), kwargs.pop("dim", None), kwargs.pop("edge_order", 1)
@@ -298,7 +335,8 @@ def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
         raise MissingShardPatch(
             f"{describe_target(func)}: prepend/append as a ShardTensor, with the input or it sharded on a dim "
             f"other than dim={bound['dim']} on splits that are not torch.chunk's (placements "
-            f"{[tuple(t.placements) for t in [args[0], *extras] if isinstance(t, DTensor)]}), is not supported: "
+            f"{[tuple(t.placements) for t in [args[0], *extras] if isinstance(t, (ShardTensor, DTensor))]}), "
+            "is not supported: "
             "the DTensor fallback raises there, or one rank raises while the other hangs (measured on 2 ranks); "
             "pass a plain tensor (identical on every rank)"
         )

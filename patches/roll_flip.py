@@ -20,7 +20,10 @@ the result stays ``Partial(sum)``) and ``torch.roll`` without ``dims`` (a roll o
 the flattened tensor) when a dim is sharded (gathered; result ``Replicate``).
 
 Refused (``MissingShardPatch``): a tensor dim sharded over two mesh dims
-(``sharded_dims`` refuses it; not measured against the fallback).
+(``sharded_dims`` refuses it; the fallback has nothing to take there: PhysicsNeMo
+itself cannot build such a ShardTensor, ``ShardTensor.from_dtensor`` raises,
+measured on a 2x2 mesh); non-int dims (the fallback fails too: torch itself
+raises ``TypeError`` for them).
 
 Example (2 ranks, ``x`` of height 7 sharded ``Shard(0)`` 5/2)::
 

@@ -44,21 +44,34 @@ op below works per sharded dim, so both cases take the same code):
 
 Refused (``MissingShardPatch``):
 
-* einsum that contracts a sharded index (issue 12; measured: the DTensor
-  fallback is right on even splits, result ``Partial(sum)``, and crashes on
-  uneven ones), two operands sharded differently on one index, ``...`` over a
-  sharded dim mixed with broadcasting, a ``Shard`` plain-DTensor operand,
-  keyword arguments (torch.einsum takes none);
+* einsum that the local-block path cannot run (a contracted sharded index,
+  one index sharded differently in two operands, an operand not sharded on a
+  sharded index it carries, two indices sharded over one mesh dim, a ``Partial``
+  operand next to a sharded one, a ``Shard`` plain-DTensor operand) when a
+  ShardTensor operand's shards are not ``torch.chunk``'s rows (measured with the
+  plugin off: the DTensor fallback raises a shape error, or one rank raises
+  while the other hangs; contractions over uneven shards are issue 12);
+* einsum keyword arguments (torch.einsum takes none);
 * setitem into a ``Partial`` target, or with an index form other than basic
   slices/ints on unsharded dims (kept: the DTensor fallback fails, measured on
   2 ranks: ``aten.fill_.Tensor`` / ``aten.index_put_`` have no strategy for it);
-* setitem into a DTensor target that is not a promoted plain tensor;
+* setitem into a DTensor target that is not a promoted plain tensor, except
+  the delegated cases below (a ``Shard`` DTensor target with a ShardTensor value
+  on other splits than ``torch.chunk``'s: the fallback hangs one rank, measured);
 * setitem whose value is sharded differently from the target region (kept: the
   DTensor fallback writes wrong values, measured on 2 ranks).
 
 Delegated (to the DTensor fallback; values, placements and gradients checked on
-2 ranks against a single process and the plugin-disabled run): einsum with a
-``Partial(sum)`` operand.
+2 ranks against a single process and the plugin-disabled run): einsum with
+``Partial(sum)`` operands and otherwise replicated ones (weights plain, promoted
+or trainable; two ``Partial`` operands too); and, where every ShardTensor operand
+holds ``torch.chunk``'s rows (DTensor's own layout), each einsum listed as refused
+above for other splits (a contracted sharded index gives ``Partial(sum)``; two
+indices over one mesh dim, as in ``"bi,ci->bci"`` with both operands sharded,
+which the local-block path would get wrong, are gathered by the fallback);
+``dtensor[idx] = shard`` into a ``Replicate`` DTensor that is not a promoted
+plain tensor (a ``distribute_module`` buffer), any split, or into a ``Shard``
+DTensor with a value holding ``torch.chunk``'s rows (values checked).
 
 
 Example (2 ranks, spectrum sharded on dim 3, split 5/4)::
@@ -78,11 +91,10 @@ from typing import Any
 
 import torch
 from physicsnemo.domain_parallel import ShardTensor
-from physicsnemo.domain_parallel.shard_tensor import _torch_function_fallback_via_dtensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import delegate
+from physicsnemo_shardext.primitives import delegate, fallback  # looked up when called (fallback_fix)
 from physicsnemo_shardext.primitives.index_exchange import gather_global_indices
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.replicated import gather_full, replicated_local, replicated_part, sum_grad_over
@@ -183,11 +195,11 @@ def sharded_getitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     """
     x, index = args[0], args[1]
     if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+        return fallback(func, args, kwargs)
     try:
         plan = plan_index(x, index)
     except _Unsupported:
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+        return fallback(func, args, kwargs)
     local = x.to_local()[plan.local_index]
     return build_shard_tensor(local, x._spec.mesh, _placements_for(x, plan), plan.out_sizes)
 
@@ -207,6 +219,8 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     """
     target, index, value = args[0], args[1], args[2]
     if not isinstance(target, ShardTensor):
+        if _promoted_plain(target) is None and _fallback_writes_into(target, value):
+            return delegate(func, types, args, kwargs)
         _write_into_plain(target, index, value)
         return
     if any(p.is_partial() for p in target._spec.placements):
@@ -237,6 +251,20 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
         ) from None
 
 
+def _fallback_writes_into(target: Any, value: Any) -> bool:
+    """Whether the DTensor fallback writes a sharded ``value`` into this DTensor ``target`` right.
+
+    Measured on 2 ranks (values): a ``Replicate`` DTensor (e.g. a ``distribute_module`` buffer)
+    with a ShardTensor value on any split; a ``Shard`` DTensor with a ShardTensor value holding
+    ``torch.chunk``'s rows. A ``Shard`` target with another split hangs one rank.
+    """
+    if not isinstance(target, DTensor) or not isinstance(value, ShardTensor):
+        return False
+    if any(p.is_partial() for p in target.placements) or any(p.is_partial() for p in value.placements):
+        return False
+    return all(p.is_replicate() for p in target.placements) or _in_dtensor_layout(value)
+
+
 def _promoted_plain(target: Any) -> torch.Tensor | None:
     """The user's plain tensor behind a ``Replicate`` DTensor that ShardTensor promoted for this call.
 
@@ -263,7 +291,9 @@ def _write_into_plain(target: Any, index: Any, value: Any) -> None:
     if plain is None:
         raise MissingShardPatch(
             f"torch.Tensor.__setitem__: cannot write into a {type(target).__name__} target with placements "
-            f"{getattr(target, 'placements', None)}; only ShardTensors and plain tensors are supported"
+            f"{getattr(target, 'placements', None)}; only ShardTensors, plain tensors and the DTensor targets the "
+            "DTensor fallback writes right are supported (a Shard target with a value split other than "
+            "torch.chunk's hangs one rank there, measured)"
         )
     if isinstance(value, ShardTensor):
         value = gather_full(value)
@@ -327,7 +357,7 @@ def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         tokens = tokens + pos_embed          # pos_embed (1, N, D), trainable
     """
     if len(args) != 2 or kwargs:
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+        return fallback(func, args, kwargs)
     a, b = args
     if _same_placements(a, b):
         # Two ShardTensors sharded on the same dims (e.g. mode products padded back by F.pad,
@@ -353,7 +383,7 @@ def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         and not any(p.is_partial() for p in shard._spec.placements)
         and torch.broadcast_shapes(rep.shape, shard.shape) == shard.shape
     ):
-        return _torch_function_fallback_via_dtensor(func, args, kwargs)
+        return fallback(func, args, kwargs)
     part = replicated_part(rep, shard, f"{_name(func)}: replicated operand")
     local = shard.to_local() + part if shard is a else part + shard.to_local()
     layouts = sharded_dims(shard)
@@ -398,8 +428,34 @@ def _split_equation(equation: str, operands: Sequence[torch.Tensor]) -> tuple[li
     return inputs, rhs
 
 
+class _NotLocal(MissingShardPatch):
+    """An einsum the local-block path cannot run; ``sharded_einsum`` delegates it where the fallback is right."""
+
+
+def _placements(op: Any) -> tuple[Any, ...]:
+    return tuple(op.placements) if isinstance(op, (ShardTensor, DTensor)) else ()
+
+
+def _in_dtensor_layout(op: Any) -> bool:
+    """Whether ``op`` is laid out as DTensor assumes: a ShardTensor's shards hold ``torch.chunk``'s rows."""
+    if not isinstance(op, ShardTensor):
+        return True  # plain tensors, plain DTensors (DTensor's own layout)
+    try:
+        layouts = sharded_dims(op).values()
+    except MissingShardPatch:  # one dim over several mesh dims
+        return False
+    return all(list(l.sizes) == [len(c) for c in torch.arange(l.total).chunk(l.parts)] for l in layouts)
+
+
 def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """``torch.einsum`` on local blocks; replicated operands cut to this rank's rows, their grads summed.
+
+    What the local-block path cannot run goes to the DTensor fallback (``delegate``) where that is
+    right, measured on 2 ranks (values, placements and gradients): a ``Partial(sum)`` operand whose
+    fellow operands are all replicated; every other such case (a contracted sharded index, an index
+    sharded differently in two operands, two sharded indices on one mesh dim, a ``Partial`` next to a
+    sharded operand, a sharded plain DTensor) where every ShardTensor operand holds ``torch.chunk``'s
+    rows. On other splits the fallback raises or hangs, so those are refused.
 
     Example::
 
@@ -410,10 +466,26 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         operands = list(operands[0])
     if kwargs:
         raise MissingShardPatch(f"torch.einsum on ShardTensors: keyword arguments {sorted(kwargs)}")
-    if any(isinstance(op, ShardTensor) and any(p.is_partial() for p in op._spec.placements) for op in operands):
-        # A Partial(sum) operand: the DTensor fallback keeps or reduces the pending sum as einsum's
-        # linearity allows (forward and gradients checked on 2 ranks).
-        return delegate(func, types, args, kwargs)
+    try:
+        if any(p.is_partial() for op in operands for p in _placements(op)):
+            if not any(p.is_shard() for op in operands for p in _placements(op)):
+                # A Partial(sum) operand, the others replicated: the fallback keeps or reduces the
+                # pending sum as einsum's linearity allows (two Partial operands included).
+                return delegate(func, types, args, kwargs)
+            raise _NotLocal("a Partial operand next to a sharded one")
+        return _local_einsum(equation, operands)
+    except _NotLocal as why:
+        if all(_in_dtensor_layout(op) for op in operands):
+            return delegate(func, types, args, kwargs)  # DTensor's own layout: the fallback is right
+        raise MissingShardPatch(
+            f"{why}; the DTensor fallback would take it, but on shards that are not torch.chunk's rows "
+            f"(placements {[_placements(op) for op in operands]}) it raises or hangs (measured on 2 ranks); "
+            "contractions over an unevenly sharded index are issue 12"
+        ) from None
+
+
+def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
+    """The einsum on each rank's local blocks; ``_NotLocal`` where that would not be the answer."""
     subscripts, out = _split_equation(equation, operands)
 
     # Sharded indices: letter -> (mesh dim, sizes), consistent over all sharded operands.
@@ -426,17 +498,27 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
                 letter = subs[d]
                 entry = (layout.mesh_dim, layout.sizes, layout)
                 if letter in sharded and sharded[letter][:2] != entry[:2]:
-                    raise MissingShardPatch(
+                    raise _NotLocal(
                         f"torch.einsum {equation!r}: index {letter!r} is sharded differently in two operands "
                         f"({sharded[letter][:2]} vs {entry[:2]})"
                     )
                 sharded[letter] = entry
+        elif isinstance(op, DTensor) and not all(p.is_replicate() for p in op.placements):
+            raise _NotLocal(f"torch.einsum {equation!r}: a plain DTensor operand with placements {op.placements}")
     contracted = [c for c in sharded if c not in out]
     if contracted:
-        raise MissingShardPatch(
-            f"torch.einsum {equation!r}: contracts sharded index(es) {contracted}; the result would be a partial "
-            "sum over ranks (not supported: shard another dim, or reduce explicitly)"
+        raise _NotLocal(
+            f"torch.einsum {equation!r}: contracts sharded index(es) {contracted} (the result is a partial sum "
+            "over ranks)"
         )
+    by_mesh_dim: dict[int, list[str]] = {}
+    for letter, (mesh_dim, _, _) in sharded.items():
+        by_mesh_dim.setdefault(mesh_dim, []).append(letter)
+    shared = {m: letters for m, letters in by_mesh_dim.items() if len(letters) > 1}
+    if shared:
+        # e.g. an outer product "bi,ci->bci" of two operands sharded over the same mesh dim: the local
+        # blocks give only the diagonal blocks of the result.
+        raise _NotLocal(f"torch.einsum {equation!r}: indices sharded over one mesh dim {shared}")
     shard_mesh_dims = sorted({m for m, _, _ in sharded.values()})
 
     locals_: list[torch.Tensor] = []
@@ -445,7 +527,7 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
             own = {subs[d] for d in sharded_dims(op)}
             local = op.to_local()
             if any(c in sharded and c not in own for c in subs):
-                raise MissingShardPatch(
+                raise _NotLocal(
                     f"torch.einsum {equation!r}: operand {subs!r} is sharded, but not on every sharded index "
                     f"{sorted(sharded)} it carries"
                 )

@@ -250,3 +250,38 @@ def test_shard_tensor_extras_off_the_diff_dim_on_other_splits_are_refused(domain
     for extra in (like_x, replicated):
         with pytest.raises(MissingShardPatch, match=r"prepend/append as a ShardTensor.*not torch.chunk's.*hangs"):
             torch.diff(xs, dim=2, prepend=extra)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[4, 3], [6, 1], [7, 0]], ids=["4-3", "6-1", "7-0"])
+@pytest.mark.parametrize("layout", ["replicate", "split-like-x"])
+def test_shard_tensor_coordinates_are_delegated_where_the_fallback_is_right(domain_mesh, split, layout):
+    x, coords = torch.randn(3, 7, 5), torch.linspace(0, 1, 7) ** 2
+    x_ref = x.clone().requires_grad_(True)
+    (ref,) = torch.gradient(x_ref, spacing=[coords], dim=1)
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        xs = shard_tensor(x, domain_mesh, [Shard(1)], split, requires_grad=True)
+        cs = shard_tensor(coords, domain_mesh, [Replicate()] if layout == "replicate" else [Shard(0)],
+                          None if layout == "replicate" else split)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=["finite_differences"]):
+                (out,) = torch.gradient(xs, spacing=[cs], dim=1)
+        else:
+            (out,) = torch.gradient(xs, spacing=[cs], dim=1)
+        torch.testing.assert_close(out.full_tensor(), ref)
+        (out.full_tensor() * weight).sum().backward()
+        torch.testing.assert_close(xs.grad.full_tensor(), x_ref.grad)
+        runs.append((tuple(out._spec.placements), out.to_local()))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+
+
+@pytest.mark.multirank(2)
+def test_shard_tensor_coordinates_split_unlike_x_are_refused(domain_mesh):
+    xs = shard_tensor(torch.randn(3, 7, 5), domain_mesh, [Shard(1)], [6, 1])
+    cs = shard_tensor(torch.linspace(0, 1, 7), domain_mesh, [Shard(0)], [4, 3])
+    with pytest.raises(MissingShardPatch, match="coordinate tensors in spacing as DTensors, or as ShardTensors"):
+        torch.gradient(xs, spacing=[cs], dim=1)

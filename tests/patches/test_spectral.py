@@ -111,15 +111,113 @@ PARTIAL_EINSUMS = {
     "partial-times-weight": lambda t: torch.einsum("bi,io->bo", t, torch.arange(15.0).reshape(5, 3)),
     "spectral-mix": lambda t: torch.einsum("bixy,ioxy->boxy", t.reshape(1, 5, 5, 1),
                                            torch.linspace(-1, 1, 50).reshape(5, 2, 5, 1)),
+    "three-operands": lambda t: torch.einsum("bi,io,o->b", t, torch.arange(15.0).reshape(5, 3), torch.ones(3)),
+    "two-partial-operands": lambda t: torch.einsum("bi,bi->b", t, t),
 }
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("name", ["partial-times-weight", "spectral-mix"])
+@pytest.mark.parametrize("name", sorted(PARTIAL_EINSUMS))
 def test_einsum_with_a_partial_operand_is_delegated(domain_mesh, rank, name):
     # Linear in the Partial(sum) operand: the DTensor fallback keeps the pending sum (forward and grads right).
     full = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
     check_delegation(PARTIAL_EINSUMS[name], full, domain_mesh, rank, "spectral", (Partial(),), exact=False)
+
+
+# Einsums the local-block path cannot run, on torch.chunk splits (DTensor's own layout), where the
+# DTensor fallback is right: (equation, [(shape, placement or None for a Partial(sum) operand, split)]).
+CHUNK_LAYOUT_EINSUMS = {
+    "contracted-sharded-index": ("bi,bi->b", [((4, 6), Shard(1), [3, 3]), ((4, 6), Shard(1), [3, 3])]),
+    "two-indices-on-one-mesh-dim": ("bi,ci->bci", [((4, 6), Shard(0), [2, 2]), ((6, 6), Shard(0), [3, 3])]),
+    "operands-sharded-on-different-indices": ("bi,bi->bi", [((4, 6), Shard(1), [3, 3]), ((4, 6), Shard(0), [2, 2])]),
+    "partial-next-to-sharded": ("bi,bi->bi", [((4, 5), None, None), ((4, 5), Shard(0), [2, 2])]),
+    "partial-next-to-sharded-weight": ("bi,io->bo", [((4, 5), None, None), ((5, 3), Shard(0), [3, 2])]),
+}
+
+
+def _einsum_operands(specs, mesh, rank, fulls, shares):
+    ops, leaves = [], []
+    for (shape, placement, split), full, share in zip(specs, fulls, shares):
+        if placement is None:
+            local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
+            ops.append(ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={}))
+            leaves.append((local, False))
+        else:
+            ops.append(shard_tensor(full, mesh, [placement], split, requires_grad=True))
+            leaves.append((ops[-1], True))
+    return ops, leaves
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CHUNK_LAYOUT_EINSUMS))
+def test_einsums_on_torch_chunk_layouts_are_delegated(domain_mesh, rank, name):
+    equation, specs = CHUNK_LAYOUT_EINSUMS[name]
+    torch.manual_seed(0)
+    fulls = [torch.randn(shape) for shape, _, _ in specs]
+    shares = [torch.rand(shape) for shape, _, _ in specs]
+    refs = [f.clone().requires_grad_(True) for f in fulls]
+    ref = torch.einsum(equation, *refs)
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    runs = []
+    for disabled in (False, True):
+        ops, leaves = _einsum_operands(specs, domain_mesh, rank, fulls, shares)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=["spectral"]):
+                out = torch.einsum(equation, *ops)
+        else:
+            out = torch.einsum(equation, *ops)
+        torch.testing.assert_close(out.full_tensor(), ref)
+        (out.full_tensor() * weight).sum().backward()
+        grads = [leaf.grad.full_tensor() if sharded else leaf.grad for leaf, sharded in leaves]
+        for grad, r in zip(grads, refs):
+            torch.testing.assert_close(grad, r.grad)
+        runs.append((tuple(out._spec.placements), out.to_local()))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("weight_dim", [0, 1], ids=["contracted", "output-index"])
+def test_a_sharded_plain_dtensor_operand_is_delegated_on_chunk_layouts(domain_mesh, weight_dim):
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 6), torch.randn(6, 4)
+    x_ref = x.clone().requires_grad_(True)
+    ref = torch.einsum("bi,io->bo", x_ref, w)
+    weight = torch.randn(ref.shape)
+    (ref * weight).sum().backward()
+    xs = shard_tensor(x, domain_mesh, [Shard(0)], [2, 2], requires_grad=True)
+    out = torch.einsum("bi,io->bo", xs, distribute_tensor(w, domain_mesh, [Shard(weight_dim)]))
+    torch.testing.assert_close(out.full_tensor(), ref)
+    (out.full_tensor() * weight).sum().backward()
+    torch.testing.assert_close(xs.grad.full_tensor(), x_ref.grad)
+    uneven = shard_tensor(x, domain_mesh, [Shard(0)], [3, 1])
+    with pytest.raises(MissingShardPatch, match="a plain DTensor operand with placements"):
+        torch.einsum("bi,io->bo", uneven, distribute_tensor(w, domain_mesh, [Shard(weight_dim)]))
+
+
+@pytest.mark.multirank(2)
+def test_two_indices_on_one_mesh_dim_are_not_computed_blockwise(domain_mesh):
+    # "bi,ci->bci" with both operands sharded over the one mesh dim: the local blocks give only the
+    # diagonal blocks of the outer product (the handler returned that, wrongly labelled, before). On
+    # other splits than torch.chunk's the fallback cannot run it either: refused.
+    xs = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
+    ys = shard_tensor(torch.randn(5, 6), domain_mesh, [Shard(0)], [2, 3])
+    with pytest.raises(MissingShardPatch, match=r"indices sharded over one mesh dim.*not torch.chunk's rows"):
+        torch.einsum("bi,ci->bci", xs, ys)
+
+
+@pytest.mark.multirank(2, timeout=60)
+def test_a_partial_operand_next_to_an_uneven_shard_is_refused(domain_mesh, rank):
+    # Measured with the plugin off: "bi,bi->bi" with a Shard(0) 3/1 operand makes one rank raise while
+    # the other hangs; "bi,io->bo" with a Shard(0) 4/1 weight raises on both.
+    partial = ShardTensor.from_local(torch.randn(4, 5), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match=r"a Partial operand next to a sharded one.*raises or hangs"):
+        torch.einsum("bi,bi->bi", partial, shard_tensor(torch.randn(4, 5), domain_mesh, [Shard(0)], [3, 1]))
+    with pytest.raises(MissingShardPatch, match="a Partial operand next to a sharded one"):
+        torch.einsum("bi,io->bo", partial, shard_tensor(torch.randn(5, 3), domain_mesh, [Shard(0)], [4, 1]))
 
 
 @pytest.mark.multirank(2)
@@ -344,3 +442,36 @@ class WritesATable(torch.nn.Module):
 def test_setitem_of_a_trainable_replicated_value_sums_its_gradient(domain_mesh, split):
     # Each rank writes only its rows of the table, so the table's gradient is summed over the shards.
     check_conformance(WritesATable(), [torch.randn(2, 11, 4)], ShardSpec(domain_mesh, [Shard(1)], split))
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("target_placement, split", [("replicate", [2, 2]), ("replicate", [3, 1]), ("shard", [2, 2])],
+                         ids=["replicate-even", "replicate-uneven", "shard-chunks"])
+def test_setitem_into_a_plain_dtensor_is_delegated_where_the_fallback_is_right(domain_mesh, target_placement, split):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    base, value = torch.zeros(4, 6), torch.randn(4, 2)
+    expected = base.clone()
+    expected[:, 1:3] = value
+    results = []
+    for disabled in (False, True):
+        target = distribute_tensor(base.clone(), domain_mesh, [Replicate() if target_placement == "replicate" else Shard(0)])
+        vs = shard_tensor(value, domain_mesh, [Shard(0)], split)
+        if disabled:
+            with physicsnemo_shardext.disabled(plugins=["spectral"]):
+                target[:, 1:3] = vs
+        else:
+            target[:, 1:3] = vs
+        torch.testing.assert_close(target.full_tensor(), expected)
+        results.append((tuple(target.placements), target.to_local()))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1])
+
+
+@pytest.mark.multirank(2)
+def test_setitem_into_a_shard_dtensor_with_an_uneven_value_is_refused(domain_mesh):
+    from torch.distributed.tensor import distribute_tensor
+
+    target = distribute_tensor(torch.zeros(4, 6), domain_mesh, [Shard(0)])
+    with pytest.raises(MissingShardPatch, match="cannot write into a DTensor target.*hangs one rank"):
+        target[:, 1:3] = shard_tensor(torch.randn(4, 2), domain_mesh, [Shard(0)], [3, 1])
