@@ -6,9 +6,9 @@ The layer is PhysicsNeMo's own ``SpectralConv2d`` (``rfft2`` -> keep the low
 ``irfft2``), applied to a ``B x C x H x W`` field sharded evenly over H. Both
 variants run in the same processes, one after the other:
 
-* ``patched``: the first-party ``fft`` and ``spectral`` plugins (distributed
+* ``patched``: the first-party ``fft`` and ``indexing_einsum`` plugins (distributed
   FFTs by all-to-all transposes, mode slicing on the sharded spectrum);
-* ``fallback``: the same code under ``physicsnemo_shardext.disabled(plugins=["fft", "spectral"])``,
+* ``fallback``: the same code under ``physicsnemo_shardext.disabled(plugins=["fft", "indexing_einsum"])``,
   i.e. ShardTensor's DTensor fallback for those ops.
 
 Per rank and variant it reports the collectives and payload bytes of one forward

@@ -5,25 +5,46 @@ transforms its input with ``rfft2``, then allocates three buffers with
 ``torch.zeros(...)`` of the spectrum's *global* shape and fills the kept modes
 with a block-diagonal complex MLP, before ``irfft2`` brings the result back.
 Plain buffers cannot hold a sharded spectrum: written into one, the modes become
-a full replicated copy on every rank (what ``spectral``'s slice assignment into a
+a full replicated copy on every rank (what ``indexing_einsum``'s slice assignment into a
 plain tensor does: gather, then compute redundantly), and with parameters
 distributed by ``distribute_module`` the next einsum mixes the plain buffer with a
 DTensor weight, which DTensor rejects.
 
 This plugin wraps the layer's ``forward``: for a ShardTensor input it runs
 PhysicsNeMo's own forward inside
-:class:`~physicsnemo_shardext.primitives.allocation.sharded_allocations`, so the
+`sharded_allocations`, so the
 buffers are allocated sharded exactly like the spectrum they mirror. Every op
-inside then runs on the local spectrum through the ``fft``, ``spectral`` and
-``misc_ops`` plugins: two all-to-alls for ``rfft2`` and two for ``irfft2`` on a
+inside then runs on the local spectrum through the ``fft``, ``indexing_einsum`` and
+``layout_ops`` plugins: two all-to-alls for ``rfft2`` and two for ``irfft2`` on a
 1-D mesh, none for the block MLP, whose weight gradients are all-reduced in
 backward. Plain-tensor inputs call the original forward unchanged.
 
-Example (2 ranks, AFNO on a 1x2x32x16 field split 12/20 on H)::
+Refused: nothing here; the layer's ops inside are handled, delegated or refused by
+the families above (this plugin only changes where its scratch buffers live).
 
+Examples:
+    One layer on tokens ``(B, h, w, D)`` split 3/2 on ``h``, on 2 ranks:
+
+    >>> import torch
+    >>> from physicsnemo.nn.module.afno_layers import AFNO2DLayer
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> _ = torch.manual_seed(0)                  # the same weights on both ranks
+    >>> layer = AFNO2DLayer(hidden_size=4, num_blocks=2)
+    >>> full = torch.linspace(-1, 1, 5 * 6 * 4).reshape(1, 5, 6, 4)
+    >>> y = layer(shard_tensor(full, mesh, [Shard(1)], [3, 2]))
+    >>> y.placements, y.to_local().shape[1] == [3, 2][rank]
+    ((Shard(dim=1),), True)
+    >>> torch.allclose(y.full_tensor(), layer(full), atol=1e-5)
+    True
+
+    A whole model (not run here):
+
+    ```python
     model = distribute_module(AFNO(inp_shape=[32, 16], in_channels=2, out_channels=1,
                                    patch_size=[4, 4], embed_dim=8, depth=1, num_blocks=2), mesh)
     y = model(x_shard)          # same numbers as the single-process model, H still split 12/20
+    ```
 """
 
 from __future__ import annotations
@@ -34,8 +55,9 @@ from typing import Any
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.nn.module.afno_layers import AFNO2DLayer
 
-from physicsnemo_shardext import hookimpl
-from physicsnemo_shardext.primitives.allocation import sharded_allocations
+from physicsnemo_shardext import PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import sharded_allocations
 
 __all__ = ["shard_aware_forward"]
 
@@ -43,9 +65,20 @@ __all__ = ["shard_aware_forward"]
 def shard_aware_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a layer's ``forward`` so that a ShardTensor input runs it with sharded scratch buffers.
 
-    Example::
+    Examples:
+        >>> import torch
+        >>> class Layer(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.zeros(x.shape)      # a scratch buffer of the global shape
+        >>> forward = shard_aware_forward(Layer.forward)
+        >>> forward.__wrapped__ is Layer.forward, forward(Layer(), torch.ones(2)).tolist()
+        (True, [1.0, 1.0])
 
-        AFNO2DLayer.forward = shard_aware_forward(AFNO2DLayer.forward)   # what the plugin declares
+        What the plugin declares (not run here):
+
+        ```python
+        AFNO2DLayer.forward = shard_aware_forward(AFNO2DLayer.forward)
+        ```
     """
 
     def forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -61,14 +94,9 @@ def shard_aware_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin wraps PhysicsNeMo 2.2's AFNO2DLayer."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Wrap ``AFNO2DLayer.forward`` (the current one, so that removing the plugin restores it exactly)."""
     patches.replace_attribute(
         AFNO2DLayer,

@@ -24,7 +24,7 @@ spatial dim, from global indices:
 2. **Input rows per rank.** Each rank fetches exactly the global input rows its
    output rows read (convolution: ``o*s - pad_left + t*d``; transposed: every
    ``i`` with ``i*s + t*d - pad`` in its range), with one
-   :func:`~physicsnemo_shardext.primitives.gather_global_indices` per sharded dim
+   `gather_global_indices` per sharded dim
    (halos wider than a tiny neighbour shard come from whoever owns the rows).
 3. **Local op.** Convolution: zero-pad the rows beyond the global boundary and
    convolve with padding 0 along the sharded dims. Transposed: run
@@ -38,9 +38,10 @@ Several sharded spatial dims (2-D mesh) are fetched one after another; the
 second fetch carries the first one's halo, so corners are right. Unsharded
 spatial dims keep the caller's padding. Sharded batch dims need nothing.
 Weight and bias gradients are partial sums over a rank's output rows; they are
-all-reduced over every mesh dim on which the input is sharded (PhysicsNeMo's
-``GradReducer``), so they come back reduced and ``Replicate``; a replicated
-mesh dim (``"ddp"`` with the batch replicated) is correctly left alone.
+summed over every mesh dim on which the input is sharded
+(`sum_grad_over`, the contract of
+PhysicsNeMo's ``GradReducer``), so they come back reduced and ``Replicate``; a
+replicated mesh dim (``"ddp"`` with the batch replicated) is correctly left alone.
 
 ``Conv*d(padding_mode="circular" | "reflect" | "replicate")`` calls ``F.pad``
 first, then this patch with padding 0: the periodic/mirrored halo comes from
@@ -50,7 +51,7 @@ Under ``torch.autocast`` the local convolution runs through autocast like a
 single-process one (bf16 on CPU); the shape checks on meta tensors use the
 autocast dtype, and a separately added bias is cast to the output's dtype.
 
-Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
+Delegated to the built-in (`delegate`):
 ``Partial`` inputs without a bias (a convolution is linear: the built-in
 convolves each rank's term; checked on 2 ranks).
 
@@ -58,9 +59,20 @@ Refused (``MissingShardPatch``): ``Partial`` inputs with a bias (the built-in
 adds the bias once per rank: wrong); inputs sharded along the channel dim; a
 ShardTensor weight sharded along a dim (weights must be plain tensors or replicated).
 
-Example (2 ranks, H = 17 split 10/7)::
+Examples:
+    On 2 ranks (``mesh``, ``rank``), H = 17 split 10/7: a stride-2 conv halves the split.
 
-    y = torch.nn.functional.conv2d(x, w, stride=2, padding=1)   # H_out 9, shards 5/4
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 2 * 17 * 6).reshape(1, 2, 17, 6)
+    >>> w = torch.linspace(-1, 1, 3 * 2 * 3 * 3).reshape(3, 2, 3, 3)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+    >>> y = F.conv2d(x, w, stride=2, padding=1)       # H_out 9, shards 5/4
+    >>> tuple(y.to_local().shape) == [(1, 3, 5, 3), (1, 3, 4, 3)][rank]
+    True
+    >>> torch.allclose(y.full_tensor(), F.conv2d(full, w, stride=2, padding=1), atol=1e-5)
+    True
 """
 
 from __future__ import annotations
@@ -72,11 +84,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
 
-from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
-from physicsnemo_shardext.primitives.replicated import replicated_local
+from physicsnemo_shardext import MissingShardPatch, PatchSet, builtin_handler, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    bind_arguments,
+    delegate,
+    describe_target,
+    expand_to,
+    from_local_like,
+    gather_global_indices,
+    is_partial,
+    replicated_local,
+    sharded_dims,
+    sharding_mesh_dims,
+    sum_grad_over,
+    tie_to_graph,
+)
 
 __all__ = ["CONV_TARGETS", "TRANSPOSED_TARGETS", "RowPlan", "conv_row_plan", "conv_transpose_row_plan", "sharded_conv"]
 
@@ -122,9 +147,10 @@ def conv_row_plan(
 ) -> RowPlan:
     """Row plan of a convolution along one sharded dim.
 
-    >>> plan = conv_row_plan([10, 7], k=4, stride=2, dilation=1, pad_left=1, total_out=8)
-    >>> plan.out_sizes(), plan.rows[1], plan.before, plan.after
-    ([5, 3], (9, 10, 11, 12, 13, 14, 15, 16), (1, 0), (0, 0))
+    Examples:
+        >>> plan = conv_row_plan([10, 7], k=4, stride=2, dilation=1, pad_left=1, total_out=8)
+        >>> plan.out_sizes(), plan.rows[1], plan.before, plan.after
+        ([5, 3], (9, 10, 11, 12, 13, 14, 15, 16), (1, 0), (0, 0))
     """
     offsets = [sum(sizes[:c]) for c in range(len(sizes))]
     total_in, reach = sum(sizes), dilation * (k - 1)
@@ -152,9 +178,10 @@ def conv_transpose_row_plan(
     ``before``/``after`` adjust the local result of a padding-0 ``conv_transpose`` on
     the fetched rows to this coordinate's output rows (negative: crop).
 
-    >>> plan = conv_transpose_row_plan([5, 4], k=3, stride=2, dilation=1, padding=1, total_out=18)
-    >>> plan.out_sizes(), plan.rows, plan.before, plan.after
-    ([10, 8], ((0, 1, 2, 3, 4, 5), (5, 6, 7, 8)), (-1, -1), (-2, 0))
+    Examples:
+        >>> plan = conv_transpose_row_plan([5, 4], k=3, stride=2, dilation=1, padding=1, total_out=18)
+        >>> plan.out_sizes(), plan.rows, plan.before, plan.after
+        ([10, 8], ((0, 1, 2, 3, 4, 5), (5, 6, 7, 8)), (-1, -1), (-2, 0))
     """
     offsets = [sum(sizes[:c]) for c in range(len(sizes))]
     total_in, reach = sum(sizes), dilation * (k - 1)
@@ -176,23 +203,20 @@ def conv_transpose_row_plan(
 
 
 # -- argument handling ---------------------------------------------------------------------------
-def _conv_args(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return input, weight, bias, stride, padding, dilation, groups, 0
+# Mirrors of the C builtins' parameters (F.conv*d have no introspectable signature).
+def _conv(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+          groups: int = 1) -> None:
+    """The parameters of ``F.conv1d/2d/3d``."""
 
 
-def _conv_transpose_args(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    return input, weight, bias, stride, padding, dilation, groups, output_padding
+def _conv_transpose(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+                    output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> None:
+    """The parameters of ``F.conv_transpose1d/2d/3d``."""
 
 
-def _tuple(value: Any, n: int) -> tuple:
-    if isinstance(value, (int, torch.SymInt)):
-        return (int(value),) * n
-    value = tuple(int(v) for v in value)
-    return value * n if len(value) == 1 else value
-
-
-def _name(func: Callable) -> str:
-    return f"torch.nn.functional.{func.__name__}"
+def _ints(value: Any, n: int, what: str, op: str) -> tuple[int, ...]:
+    """``value`` as ``n`` Python ints (SymInts included)."""
+    return tuple(int(v) for v in expand_to(value, n, what=what, op=op))
 
 
 def _autocast_dtype(x: ShardTensor) -> torch.dtype | None:
@@ -203,29 +227,14 @@ def _autocast_dtype(x: ShardTensor) -> torch.dtype | None:
     return None
 
 
-def _plain(t: Any, func: Callable, what: str) -> Any:
-    """Weights/bias as plain tensors (replicated DTensors are unwrapped, differentiably)."""
-    return replicated_local(t, f"{_name(func)}: {what}")
-
-
-def _pads(padding: Any, weight: torch.Tensor, dilation: tuple, n: int, func: Callable) -> list[tuple[int, int]]:
+def _pads(padding: Any, weight: torch.Tensor, dilation: tuple[int, ...], n: int, op: str) -> list[tuple[int, int]]:
     """(left, right) zero padding per spatial dim; 'same' may be asymmetric (extra row on the right)."""
     if isinstance(padding, str):
-        if padding == "valid":
-            return [(0, 0)] * n
         if padding == "same":
             totals = [dilation[i] * (weight.shape[2 + i] - 1) for i in range(n)]
             return [(t // 2, t - t // 2) for t in totals]
-        raise ValueError(f"{_name(func)}: invalid padding string {padding!r}")
-    return [(p, p) for p in _tuple(padding, n)]
-
-
-def _tie(out: torch.Tensor, *sources: torch.Tensor | None) -> torch.Tensor:
-    """``out`` made to depend on ``sources`` (zero contribution), so every rank runs their backward."""
-    for s in sources:
-        if s is not None:
-            out = out + s.sum() * 0
-    return out
+        return [(0, 0)] * n  # "valid" (other strings are refused before)
+    return [(p, p) for p in _ints(padding, n, "padding", op)]
 
 
 def _can_delegate(x: ShardTensor, layouts: dict[int, DimLayout], weight, stride, dilation, pads, transposed) -> bool:
@@ -244,47 +253,53 @@ def _can_delegate(x: ShardTensor, layouts: dict[int, DimLayout], weight, stride,
     return True
 
 
-def sharded_conv(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_conv(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Convolution / transposed convolution on a ShardTensor (see the module docstring).
 
-    Example::
-
-        patches.function(torch.nn.functional.conv2d, sharded_conv, override=True)
+    Declared for every target of ``CONV_TARGETS`` and ``TRANSPOSED_TARGETS`` with
+    ``patches.function(target, sharded_conv, override=True)``.
     """
+    op = describe_target(func)
     transposed = func in TRANSPOSED_TARGETS
-    parse = _conv_transpose_args if transposed else _conv_args
-    x, weight, bias, stride, padding, dilation, groups, output_padding = parse(*args, **kwargs)
-    weight, bias = _plain(weight, func, "weight"), _plain(bias, func, "bias")
+    a = bind_arguments(_conv_transpose if transposed else _conv, args, kwargs)
+    x, padding, groups = a["input"], a["padding"], a["groups"]
+    weight, bias = replicated_local(a["weight"], f"{op}: weight"), replicated_local(a["bias"], f"{op}: bias")
     if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(f"{_name(func)}: the input must be the ShardTensor (got {type(x).__name__})")
+        raise MissingShardPatch(f"{op}: the input must be the ShardTensor (got {type(x).__name__})")
     placements = tuple(x._spec.placements)
-    if any(p.is_partial() for p in placements):
+    if is_partial(x):
         if bias is None:  # a convolution is linear: the built-in convolves each rank's term, right
             return delegate(func, types, args, kwargs)
         raise MissingShardPatch(
-            f"{_name(func)}: input has a Partial placement {placements} and a bias; the built-in would add "
+            f"{op}: input has a Partial placement {placements} and a bias; the built-in would add "
             "the bias once per rank (redistribute first)"
         )
-    n = weight.ndim - 2
-    stride, dilation, output_padding = _tuple(stride, n), _tuple(dilation, n), _tuple(output_padding, n)
-    pads = _pads(padding, weight, dilation, n, func)
+    if isinstance(padding, str) and padding not in ("valid", "same"):
+        raise ValueError(f"{op}: invalid padding string {padding!r}")
     if transposed and isinstance(padding, str):
-        raise ValueError(f"{_name(func)}: string padding is not supported for transposed convolutions")
+        raise ValueError(f"{op}: string padding is not supported for transposed convolutions")
 
-    # torch's own argument checks and the global output shape, on meta tensors. Autocast does not
-    # run on the meta device: there the arguments take the dtype autocast gives the local conv.
+    # torch's own argument checks (on the arguments as given) and the global output shape, on meta
+    # tensors. Autocast does not run on the meta device: there the arguments take the dtype autocast
+    # gives the local conv.
     dtype = _autocast_dtype(x)
     meta = lambda t: None if t is None else torch.empty(t.shape, device="meta", dtype=dtype or t.dtype)  # noqa: E731
     if transposed:
-        left_pads = [p for p, _ in pads]
-        global_out = func(meta(x), meta(weight), meta(bias), stride, left_pads, output_padding, groups, dilation)
+        global_out = func(
+            meta(x), meta(weight), meta(bias), a["stride"], padding, a["output_padding"], groups, a["dilation"]
+        )
     else:
-        conv_pad = padding if isinstance(padding, str) else [p for p, _ in pads]
-        global_out = func(meta(x), meta(weight), meta(bias), stride, conv_pad, dilation, groups)
+        global_out = func(meta(x), meta(weight), meta(bias), a["stride"], padding, a["dilation"], groups)
+    n = weight.ndim - 2
+    stride, dilation = _ints(a["stride"], n, "stride", op), _ints(a["dilation"], n, "dilation", op)
+    output_padding = _ints(a.get("output_padding", 0), n, "output_padding", op)
+    pads = _pads(padding, weight, dilation, n, op)
 
     layouts = sharded_dims(x)
     if 1 in layouts:
-        raise MissingShardPatch(f"{_name(func)}: input sharded along the channel dim ({placements}) is not supported")
+        raise MissingShardPatch(f"{op}: input sharded along the channel dim ({placements}) is not supported")
     spatial = {d: layout for d, layout in layouts.items() if d >= 2}
     if spatial and _can_delegate(x, layouts, weight, stride, dilation, pads, transposed):
         builtin = builtin_handler(func)
@@ -292,9 +307,10 @@ def sharded_conv(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
             return builtin(func, types, args, kwargs)
 
     # Weight/bias gradients are partial sums over this rank's rows: reduce over the sharded mesh dims.
-    weight = GradReducer.apply(weight, x._spec)
+    mesh_dims = sharding_mesh_dims(x)
+    weight = sum_grad_over(weight, x._spec.mesh, mesh_dims)
     if bias is not None:
-        bias = GradReducer.apply(bias, x._spec)
+        bias = sum_grad_over(bias, x._spec.mesh, mesh_dims)
 
     local = x.to_local()
     new_sizes: dict[int, list[int]] = {}
@@ -321,13 +337,13 @@ def sharded_conv(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
         out = local.new_zeros(shape, dtype=dtype or local.dtype)
         if bias is not None:
             out = out + bias.view([1, -1] + [1] * n).to(out.dtype)
-        out = _tie(out, local, weight, bias)
+        out = tie_to_graph(out, local, weight, bias)
     elif transposed:
         out = _local_conv_transpose(func, local, weight, bias, stride, pads, output_padding, groups, dilation, adjust)
     else:
         out = _local_conv(func, local, weight, bias, stride, pads, groups, dilation, adjust)
-    assert list(out.shape) == shape, f"{_name(func)}: local result {tuple(out.shape)} != planned {tuple(shape)}"
-    return from_local_like(out, x, sizes=new_sizes)
+    assert list(out.shape) == shape, f"{op}: local result {tuple(out.shape)} != planned {tuple(shape)}"
+    return from_local_like(out, x, sizes_by_tensor_dim=new_sizes)
 
 
 def _local_conv(func, local, weight, bias, stride, pads, groups, dilation, adjust) -> torch.Tensor:
@@ -370,19 +386,14 @@ def _local_conv_transpose(
     return out
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals (and its GradReducer)."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Replace PhysicsNeMo's conv patch on every target it registers; delegate where it is right."""
     for target in CONV_TARGETS + TRANSPOSED_TARGETS:
         patches.function(
             target,
             sharded_conv,
             override=True,
-            description=f"{_name(target)} on uneven shards (any stride/dilation/padding); built-in for stride-1 'same'",
+            description=f"{describe_target(target)} on uneven shards (any stride/dilation/padding); built-in for stride-1 'same'",
         )

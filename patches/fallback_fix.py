@@ -27,7 +27,7 @@ that returns the gradient in the *input's own* layout, placement by placement:
   was ``Shard``, a sharded grad where it was ``Replicate``): redistribute to
   ``Replicate`` on that mesh dim, then take the local slice.
 
-Detection: a behavioural probe (:func:`fallback_backward_is_defective`) calls
+Detection: a behavioural probe (`fallback_backward_is_defective`) calls
 the *original* PhysicsNeMo ``backward`` on a stub context whose spec is
 ``Shard(0)`` and a stub gradient whose placements are ``Replicate``; the
 defect shows as torch's ``shard_order`` AssertionError raised while the spec
@@ -43,23 +43,41 @@ conversion scope where ShardTensor dispatch is bypassed. Anything that runs
 forward ops during backward (``torch.utils.checkpoint`` recomputation) then
 runs them on ShardTensors with no shard patch (no halo): CheckpointError or
 wrong values. ``torch.autograd.grad`` is already a PhysicsNeMo passthrough;
-:func:`backward_in_shard_space` does for ``backward`` what plain torch does,
+`backward_in_shard_space` does for ``backward`` what plain torch does,
 running the autograd engine on the ShardTensors themselves. Declared per
 entry point only where PhysicsNeMo neither passes it through nor handles it,
 and only where torch has the private engine helpers it needs
-(:func:`backward_entry_status`).
+(`backward_entry_status`).
 
 Third correction: ``Partial(avg)`` results. The fallback's own function
 (``_torch_function_fallback_via_dtensor``) is wrapped so that a result holding a
 ``Partial(avg)`` placement (a DTensor mean over a sharded dim: wrong value on
 unequal shards, gradient scaled by the mesh size on torch 2.14) raises
-``MissingShardPatch`` unless it is harmless (:func:`refuse_partial_avg`).
+``MissingShardPatch`` unless it is harmless (`refuse_partial_avg`).
 
-Example (what ``shardext list --plugin fallback_fix`` shows on an affected install)::
+Refused (``MissingShardPatch``): a fallback result holding ``Partial(avg)`` unless
+the shards are equal and no gradient is needed (its value or its gradient would be
+wrong); and, in the backward entry points, a single plain tensor passed as
+``gradient=``/``grad_tensors=``/``inputs=`` next to a ShardTensor (PhysicsNeMo has
+already promoted it to a DTensor copy, so it is no longer the caller's tensor).
 
+Examples:
+    A sort along a dim split 5 + 2 takes the fallback, which replicates that dim; the
+    gradient comes back in the input's own layout:
+
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> x = shard_tensor(torch.linspace(-1, 1, 14).reshape(2, 7), mesh, [Shard(1)], [5, 2], requires_grad=True)
+    >>> torch.sort(x, dim=1).values.sum().backward()
+    >>> x.grad.placements, x.grad.to_local().shape[1] == [5, 2][rank]
+    ((Shard(dim=1),), True)
+
+    What ``shardext list --plugin fallback_fix`` shows on an affected install:
+
+    ```python
     physicsnemo.domain_parallel.shard_tensor._ShardTensorToDTensor.backward  attribute  ...
     torch.Tensor.backward                                                    function   ...
     torch.autograd.backward                                                  function   ...
+    ```
 """
 
 from __future__ import annotations
@@ -78,10 +96,16 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.overrides import is_tensor_like
 from torch.utils._pytree import tree_leaves
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.builtins import builtin_handler
-from physicsnemo_shardext.shard_registries import AttributeTarget, original_attribute
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import (
+    AttributeTarget,
+    MissingShardPatch,
+    PatchSet,
+    builtin_handler,
+    describe_target,
+    hookimpl,
+    original_attribute,
+)
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
 
 __all__ = [
     "backward_entry_status",
@@ -97,11 +121,6 @@ _OWNER = _shard_tensor_module._ShardTensorToDTensor
 _TARGET = AttributeTarget(_OWNER, "backward")
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 # -- detection ------------------------------------------------------------------------------
 def fallback_backward_is_defective() -> bool:
@@ -110,7 +129,7 @@ def fallback_backward_is_defective() -> bool:
     Probes the original ``backward`` (the one PhysicsNeMo defined, even if this
     plugin already replaced it) with stubs; no tensor, mesh or process group is used.
 
-    Example:
+    Examples:
         >>> fallback_backward_is_defective()  # PhysicsNeMo 2.2.2 with torch 2.14
         True
     """
@@ -211,10 +230,15 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 def fixed_backward(ctx: Any, grad_output: DTensor) -> tuple[ShardTensor]:
     """Replacement for ``_ShardTensorToDTensor.backward``: the gradient in the input's own layout.
 
-    Example (inside a multi-rank run, through any op that takes the fallback)::
+    Examples:
+        Through any op that takes the fallback, on 2 ranks:
 
-        y = torch.sort(x_sharded, dim=2).values      # fallback replicates dim 2
-        y.sum().backward()                           # x_sharded.grad: Shard(2), x's uneven sizes
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(14.0).reshape(2, 7), mesh, [Shard(1)], [5, 2], requires_grad=True)
+        >>> y = torch.sort(x, dim=1).values           # the fallback replicates dim 1
+        >>> y.sum().backward()                        # x.grad: Shard(1), x's uneven sizes
+        >>> x.grad.placements, x.grad.to_local().shape[1] == [5, 2][rank]
+        ((Shard(dim=1),), True)
     """
     return (grad_in_input_layout(grad_output, ctx.shard_tensor_spec),)
 
@@ -242,9 +266,9 @@ def backward_entry_status(entry: Callable) -> str | None:
 
     None means: PhysicsNeMo routes it through the DTensor fallback (neither an
     autograd passthrough nor a built-in handler) and torch has the engine
-    helpers :func:`backward_in_shard_space` needs, so the handler is declared.
+    helpers `backward_in_shard_space` needs, so the handler is declared.
 
-    Example:
+    Examples:
         >>> backward_entry_status(torch.autograd.backward) is None  # PhysicsNeMo 2.2.2, torch 2.14
         True
     """
@@ -282,7 +306,9 @@ def _refuse_promoted(func: Callable, name: str, value: Any) -> None:
         )
 
 
-def backward_in_shard_space(func: Callable, types: Any, args: tuple, kwargs: dict) -> None:
+def backward_in_shard_space(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """Run ``Tensor.backward`` / ``torch.autograd.backward`` on ShardTensors as plain torch does.
 
     Function-level handler for both entry points: the same steps as
@@ -292,10 +318,20 @@ def backward_in_shard_space(func: Callable, types: Any, args: tuple, kwargs: dic
     ShardTensor dispatch left active, so ops autograd runs during backward
     (checkpoint recomputation) use their shard patches.
 
-    Example (2 ranks)::
+    Examples:
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(14.0).reshape(2, 7), mesh, [Shard(1)], [5, 2], requires_grad=True)
+        >>> y = torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+        >>> torch.autograd.backward([y.sum()])      # recomputation runs sin on the ShardTensor
+        >>> torch.allclose(x.grad.to_local(), torch.cos(x.to_local()))
+        True
 
+        With a convolution (the ``convolution`` family, not run here):
+
+        ```python
         y = torch.utils.checkpoint.checkpoint(conv, x_sharded, use_reentrant=False)
         y.sum().backward()        # recomputation runs conv with its halo exchange
+        ```
     """
     if func is torch.Tensor.backward:
         bound = inspect.signature(torch.Tensor.backward).bind(*args, **kwargs)
@@ -406,18 +442,27 @@ def _row_summary(tensor: ShardTensor) -> str:
 
 def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | None = None) -> Any:
     """Replacement for PhysicsNeMo's ``_torch_function_fallback_via_dtensor``: the same call, then
-    :func:`refuse_partial_avg` on its result.
+    `refuse_partial_avg` on its result.
 
-    Example (2 ranks, rows 9/8)::
+    Examples:
+        A mean over rows split 9/8 (the ``losses`` family handles ``mse_loss`` before it
+        gets here; called directly, the fallback's result is refused):
 
-        torch.nanmean(x_sharded)      # MissingShardPatch: Partial(avg) ... value would be wrong
+        >>> import torch.nn.functional as F
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(17.0), mesh, [Shard(0)], [9, 8])
+        >>> try:
+        ...     fallback_without_partial_avg(F.mse_loss, (x, 2 * x), {})
+        ... except MissingShardPatch as error:
+        ...     print(str(error).split(" (")[0])
+        torch.nn.functional.mse_loss: the DTensor fallback returns a Partial(avg) result here
     """
     original = original_attribute(_FALLBACK)
     return refuse_partial_avg(func, args, kwargs, original(func, args, kwargs))
 
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Replace the fallback backward where the probe finds the defect; handle the backward entry points."""
     patches.replace_attribute(
         _OWNER,

@@ -8,7 +8,7 @@ sequence of 1-D transforms, each run on a dimension that is complete locally:
 
 1. dims of the transform that are not sharded are transformed locally;
 2. a sharded transform dim is *transposed* away
-   (:func:`~physicsnemo_shardext.primitives.transpose.move_shard`, one uneven
+   (`move_shard`, one uneven
    ``all_to_all_single``) onto a dim that is already transformed (its partner),
    and then transformed locally. One sharded dim on a 1-D mesh is the slab
    decomposition; two sharded dims on a 2-D mesh (e.g. ``rfftn`` over 3 dims,
@@ -64,10 +64,22 @@ in the buffer without an error depending on which ``out=`` call ran before it
 strategy), and a buffer of another shape raises ``IndexError`` where torch would
 resize it.
 
-Example (2 ranks, x of shape (1, 3, 16, 16) sharded [Shard(2)])::
+Examples:
+    ``x`` of shape ``(1, 3, 16, 16)`` split 10/6 on H, on 2 ranks: the spectrum is sharded
+    on the ``W//2+1 = 9`` frequencies, and ``irfft2`` brings back ``x``'s own split:
 
-    X = torch.fft.rfft2(xs)                         # (1, 3, 16, 9), [Shard(3)], split 5/4
-    y = torch.fft.irfft2(X, s=(16, 16))            # (1, 3, 16, 16), [Shard(2)], x's split
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 768).reshape(1, 3, 16, 16)
+    >>> xs = shard_tensor(full, mesh, [Shard(2)], [10, 6])
+    >>> X = torch.fft.rfft2(xs)                      # one all-to-all
+    >>> X.placements, tuple(X.shape), tuple(X.to_local().shape[:3])
+    ((Shard(dim=3),), (1, 3, 16, 9), (1, 3, 16))
+    >>> y = torch.fft.irfft2(X, s=(16, 16))           # one all-to-all back
+    >>> y.placements, y.to_local().shape[2] == [10, 6][rank]
+    ((Shard(dim=2),), True)
+    >>> torch.allclose(y.full_tensor(), full, atol=1e-5)
+    True
 """
 
 from __future__ import annotations
@@ -80,10 +92,18 @@ import torch
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate, Shard
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import delegate
-from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
-from physicsnemo_shardext.primitives.transpose import balanced_sizes, move_shard
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    balanced_split_sizes,
+    bind_arguments,
+    build_shard_tensor,
+    delegate,
+    is_partial,
+    move_shard,
+    sharded_dims,
+)
 
 __all__ = ["FFT_FUNCTIONS", "FftCall", "distributed_fft", "parse_fft_call", "sharded_fft"]
 
@@ -109,26 +129,30 @@ class FftCall:
     norm: str | None
 
 
-def _bind(name: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, Any]:
-    """Return (input, n_or_s, dim, norm) whatever mix of positional and keyword arguments was used."""
-    arity = FFT_FUNCTIONS[name][1]
-    size_key = "n" if arity == "1" else "s"
-    default_dim: Any = -1 if arity == "1" else ((-2, -1) if arity == "2" else None)
-    names = ["input", size_key, "dim", "norm"]
-    bound = dict(zip(names, args))
-    for key in names:
-        if key in kwargs:
-            bound[key] = kwargs[key]
-    return bound["input"], bound.get(size_key), bound.get("dim", default_dim), bound.get("norm")
+# Mirrors of the torch.fft signatures per arity (C builtins without an introspectable signature).
+def _fft_1d(input: Any, n: Any = None, dim: Any = -1, norm: Any = None, *, out: Any = None) -> None:
+    """``torch.fft.fft``/``ifft``/``rfft``/``irfft``."""
+
+
+def _fft_2d(input: Any, s: Any = None, dim: Any = (-2, -1), norm: Any = None, *, out: Any = None) -> None:
+    """``torch.fft.fft2``/``ifft2``/``rfft2``/``irfft2``."""
+
+
+def _fft_nd(input: Any, s: Any = None, dim: Any = None, norm: Any = None, *, out: Any = None) -> None:
+    """``torch.fft.fftn``/``ifftn``/``rfftn``/``irfftn``."""
+
+
+_MIRRORS: dict[str, Callable[..., None]] = {"1": _fft_1d, "2": _fft_2d, "n": _fft_nd}
 
 
 def parse_fft_call(name: str, ndim: int, size_arg: Any, dim: Any, norm: str | None) -> FftCall:
     """Normalize ``n``/``s``/``dim`` like torch does.
 
-    >>> parse_fft_call("rfft2", 4, None, (-2, -1), None)
-    FftCall(name='rfft2', kind='r2c', dims=(2, 3), sizes=(None, None), norm=None)
-    >>> parse_fft_call("fftn", 3, (4, 5), None, "ortho").dims
-    (1, 2)
+    Examples:
+        >>> parse_fft_call("rfft2", 4, None, (-2, -1), None)
+        FftCall(name='rfft2', kind='r2c', dims=(2, 3), sizes=(None, None), norm=None)
+        >>> parse_fft_call("fftn", 3, (4, 5), None, "ortho").dims
+        (1, 2)
     """
     kind, arity = FFT_FUNCTIONS[name]
     if arity == "1":
@@ -191,12 +215,16 @@ def _record_key(layout: DimLayout, ndim: int, length: int) -> tuple[int, int, in
 def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
     """Run ``call`` on ``x`` by local 1-D transforms and shard transposes; see the module docstring.
 
-    Example::
-
-        sharded_fft(xs, parse_fft_call("rfft2", xs.ndim, None, (-2, -1), None))
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> xs = shard_tensor(torch.linspace(0, 1, 56).reshape(1, 7, 8), mesh, [Shard(1)], [5, 2])
+        >>> X = sharded_fft(xs, parse_fft_call("rfft2", xs.ndim, None, (-2, -1), None))
+        >>> X.placements, tuple(X.shape), tuple(X.to_local().shape[:2])
+        ((Shard(dim=2),), (1, 7, 5), (1, 7))
     """
     spec = x._spec
-    if any(p.is_partial() for p in spec.placements):
+    if is_partial(x):
         raise MissingShardPatch(
             f"torch.fft.{call.name}: input has a Partial placement {tuple(spec.placements)}; "
             "distributed_fft delegates those to the DTensor fallback"
@@ -290,7 +318,7 @@ def _move(local: torch.Tensor, layouts: dict[int, DimLayout], d: int, partner: i
     layout = layouts.pop(d)
     _SPLIT_RECORD[_record_key(layout, ndim, layout.total)] = layout.sizes
     partner_key = (id(layout.mesh), layout.mesh_dim, partner - ndim, local.shape[partner])
-    dst_sizes = _SPLIT_RECORD.get(partner_key) or balanced_sizes(local.shape[partner], layout.parts)
+    dst_sizes = _SPLIT_RECORD.get(partner_key) or balanced_split_sizes(local.shape[partner], layout.parts)
     local = move_shard(local, layout, partner, dst_sizes)
     layouts[partner] = DimLayout(partner, layout.mesh_dim, tuple(dst_sizes), layout.coord, layout.mesh)
     return local
@@ -325,24 +353,34 @@ class _NoFreeDim(MissingShardPatch):
     """A sharded transform dim with no other dim to take its shard (``distributed_fft`` delegates it)."""
 
 
-def distributed_fft(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
-    """Function-level handler for every ``torch.fft`` transform of :data:`FFT_FUNCTIONS`.
+def distributed_fft(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Function-level handler for every ``torch.fft`` transform of `FFT_FUNCTIONS`.
 
     Configurations this handler does not transpose go to the DTensor fallback
     (``delegate``), which gathers the field and is right for them (checked on 2 ranks,
     forward and gradients): a ``Partial`` input, a sharded tensor that is not the input,
     a sharded transform dim with no free dim (a 1-D signal). ``out=`` is refused: the
-    fallback's ``out=`` writes are not reliable (see :data:`OUT_REFUSAL`).
+    fallback's ``out=`` writes are not reliable (see `OUT_REFUSAL`).
 
-    Example::
-
-        patches.function(torch.fft.rfft2, distributed_fft)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> xs = shard_tensor(torch.linspace(0, 1, 14).reshape(2, 7), mesh, [Shard(1)], [5, 2])
+        >>> X = distributed_fft(torch.fft.fft, (), (xs,), {"dim": 1})   # the shard moves to dim 0
+        >>> X.placements, tuple(X.to_local().shape)
+        ((Shard(dim=0),), (1, 7))
+        >>> torch.allclose(X.full_tensor(), torch.fft.fft(xs.full_tensor(), dim=1))
+        True
     """
     name = func.__name__.removeprefix("fft_")  # torch.fft.rfft2.__name__ == "fft_rfft2"
     if kwargs.get("out") is not None:
         raise MissingShardPatch(f"torch.fft.{name}(out=...) on a ShardTensor: {OUT_REFUSAL}")
-    tensor, size_arg, dim, norm = _bind(name, args, kwargs)
-    if not isinstance(tensor, ShardTensor) or any(p.is_partial() for p in tensor._spec.placements):
+    size_key = "n" if FFT_FUNCTIONS[name][1] == "1" else "s"
+    bound = bind_arguments(_MIRRORS[FFT_FUNCTIONS[name][1]], args, kwargs)
+    tensor, size_arg, dim, norm = bound["input"], bound[size_key], bound["dim"], bound["norm"]
+    if not isinstance(tensor, ShardTensor) or is_partial(tensor):
         return delegate(func, types, args, kwargs)  # a transform is linear: the fallback is right
     call = parse_fft_call(name, tensor.ndim, size_arg, dim, norm)
     try:
@@ -351,14 +389,9 @@ def distributed_fft(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
         return delegate(func, types, args, kwargs)  # nothing to transpose onto: the fallback gathers
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the distributed handler for every transform of the torch.fft family."""
     for name in FFT_FUNCTIONS:
         patches.function(

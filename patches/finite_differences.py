@@ -3,7 +3,7 @@
 Without these patches the calls go through the DTensor fallback (an all-gather
 of the activation; its backward fails on torch 2.14). Here each rank fetches
 only the rows its stencil needs from other ranks
-(:func:`~physicsnemo_shardext.primitives.gather_global_indices`, which also
+(`gather_global_indices`, which also
 reaches past a neighbour whose shard is thinner than the halo), runs the torch
 op on its extended block and keeps its own rows.
 
@@ -44,10 +44,23 @@ plain ``prepend``/``append`` that require grad while ShardTensor's promotion of
 plain tensors is disabled, spacing of another type; non-int dims are refused
 because the fallback fails too (torch itself raises ``TypeError`` for a named dim).
 
-Example (2 ranks, ``x`` of shape (4, 17) sharded ``Shard(1)`` 10/7)::
+Examples:
+    On 2 ranks, ``x`` of shape (4, 17) sharded ``Shard(1)`` 10/7:
 
-    (gx, gy) = torch.gradient(x, spacing=0.5, edge_order=2)   # both Shard(1), 10/7
-    d = torch.diff(x, n=2, dim=1)                             # Shard(1), sizes 10/5
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(0, 1, 4 * 17).reshape(4, 17) ** 2
+    >>> x = shard_tensor(full, mesh, [Shard(1)], [10, 7])
+    >>> gx, gy = torch.gradient(x, spacing=0.5, edge_order=2)   # both Shard(1), 10/7
+    >>> tuple(gy.to_local().shape) == [(4, 10), (4, 7)][rank]
+    True
+    >>> all(torch.allclose(g.full_tensor(), e) for g, e in zip((gx, gy), torch.gradient(full, spacing=0.5, edge_order=2)))
+    True
+    >>> d = torch.diff(x, n=2, dim=1)                           # the last rank loses the 2 rows: 10/5
+    >>> tuple(d.to_local().shape) == [(4, 10), (4, 5)][rank]
+    True
+    >>> torch.allclose(d.full_tensor(), torch.diff(full, n=2, dim=1))
+    True
 """
 
 from __future__ import annotations
@@ -60,10 +73,20 @@ import torch
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
-from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    bind_arguments,
+    delegate,
+    describe_target,
+    from_local_like,
+    gather_global_indices,
+    is_partial,
+    normalize_dim,
+    require_shard_input,
+    sharded_dims,
+)
 
 __all__ = ["diff_output_sizes", "sharded_diff", "sharded_gradient"]
 
@@ -76,8 +99,13 @@ def _local_block(full: torch.Tensor, layouts: dict[int, DimLayout], skip: int) -
     return full
 
 
-def _is_partial(x: Any) -> bool:
-    return isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements)
+# Mirrors of torch's C builtins (no introspectable signature), for ``bind_arguments``.
+def _gradient(input: Any, *, spacing: Any = None, dim: Any = None, edge_order: int = 1) -> None:
+    """``torch.gradient`` (``spacing=None`` stands for torch's default of 1 per dim)."""
+
+
+def _diff(input: Any, n: int = 1, dim: int = -1, prepend: Any = None, append: Any = None) -> None:
+    """``torch.diff``/``Tensor.diff``."""
 
 
 def _has_grad_coordinates(spacing: Any) -> bool:
@@ -107,7 +135,7 @@ def _fallback_takes_extras(x: Any, dim: Any, extras: Sequence[ShardTensor]) -> b
     if isinstance(dim, bool) or not isinstance(dim, int) or not isinstance(x, torch.Tensor):
         return False
     d = dim % max(x.ndim, 1)
-    if any(e.ndim != x.ndim or any(p.is_partial() for p in e.placements) for e in extras):
+    if any(e.ndim != x.ndim or is_partial(e) for e in extras):
         return False
     sharded = [t for t in (x, *extras) if isinstance(t, ShardTensor)]
     off_dim = any(p.is_shard() and p.dim % t.ndim != d for t in sharded for p in t.placements)
@@ -136,9 +164,7 @@ def _fallback_takes_coordinates(x: Any, spacing: Any, dim: Any) -> bool:
             layout, own = layouts.get(d % x.ndim), sharded_dims(coords)
             if coords.ndim != 1 or layout is None or set(own) != {0} or coords._spec.mesh != x._spec.mesh:
                 return False
-            if (own[0].mesh_dim, own[0].sizes) != (layout.mesh_dim, layout.sizes) or any(
-                p.is_partial() for p in coords.placements
-            ):
+            if (own[0].mesh_dim, own[0].sizes) != (layout.mesh_dim, layout.sizes) or is_partial(coords):
                 return False
     except MissingShardPatch:  # a dim sharded over several mesh dims
         return False
@@ -161,7 +187,7 @@ def _gradient_halo(layout: DimLayout, coord: int, edge_order: int) -> range:
     return range(lo, hi)
 
 
-def _spacing_per_dim(func: Callable, spacing: Any, dims: Sequence[int]) -> list[Any]:
+def _spacing_per_dim(func: Callable[..., Any], spacing: Any, dims: Sequence[int]) -> list[Any]:
     """One spacing per differentiated dim: a number or a 1-D coordinate tensor."""
     if spacing is None:
         return [1.0] * len(dims)
@@ -204,26 +230,29 @@ def _validate_gradient(x: ShardTensor, spacing: Any, dim: Any, edge_order: int) 
     torch.gradient(torch.empty(x.shape, dtype=x.dtype, device="meta"), **kwargs)
 
 
-def sharded_gradient(func: Callable, types: tuple, args: tuple, kwargs: dict) -> tuple[ShardTensor, ...]:
+def sharded_gradient(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """torch.gradient of a ShardTensor; every output keeps the input's placements and shard sizes.
 
-    Example::
+    Examples:
+        Plain coordinates (identical on every rank) along a dim split 1/3 on 2 ranks:
 
-        patches.function(torch.gradient, sharded_gradient)
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full, coords = torch.arange(4.0) ** 2, torch.tensor([0.0, 1.0, 3.0, 4.0])
+        >>> (g,) = torch.gradient(shard_tensor(full, mesh, [Shard(0)], [1, 3]), spacing=[coords])
+        >>> torch.allclose(g.full_tensor(), torch.gradient(full, spacing=[coords])[0])
+        True
     """
-    kwargs = dict(kwargs)
-    if len(args) != 1:
-        raise TypeError(f"{describe_target(func)}: takes the input tensor and keyword arguments only")
-    if (
-        _is_partial(args[0])
-        or _has_grad_coordinates(kwargs.get("spacing"))
-        or _fallback_takes_coordinates(args[0], kwargs.get("spacing"), kwargs.get("dim"))
-    ):
+    bound = bind_arguments(_gradient, args, kwargs)
+    x, spacing, dim, edge_order = bound["input"], bound["spacing"], bound["dim"], bound["edge_order"]
+    # Only a *ShardTensor* Partial input is delegated: a plain DTensor input (next to ShardTensor
+    # coordinates) is refused below, as it always was.
+    partial = isinstance(x, ShardTensor) and is_partial(x)
+    if partial or _has_grad_coordinates(spacing) or _fallback_takes_coordinates(x, spacing, dim):
         return delegate(func, types, args, kwargs)
-    x = require_shard_input(func, args[0])
-    spacing, dim, edge_order = kwargs.pop("spacing", None), kwargs.pop("dim", None), kwargs.pop("edge_order", 1)
-    if kwargs:
-        raise TypeError(f"{describe_target(func)}: unexpected arguments {sorted(kwargs)}")
+    x = require_shard_input(func, x)
     if dim is None:
         dims = list(range(x.ndim))
     else:
@@ -259,8 +288,9 @@ def sharded_gradient(func: Callable, types: tuple, args: tuple, kwargs: dict) ->
 def diff_output_sizes(sizes: Sequence[int], n: int, prepend_rows: int = 0, append_rows: int = 0) -> list[int]:
     """Rows per coordinate of ``torch.diff``'s output: prepend/append join the end coordinates, the tail loses ``n``.
 
-    >>> diff_output_sizes([5, 2], 1), diff_output_sizes([5, 1], 2), diff_output_sizes([0, 3, 0], 1, 2, 1)
-    ([5, 1], [4, 0], [2, 3, 0])
+    Examples:
+        >>> diff_output_sizes([5, 2], 1), diff_output_sizes([5, 1], 2), diff_output_sizes([0, 3, 0], 1, 2, 1)
+        ([5, 1], [4, 0], [2, 3, 0])
     """
     extended = list(sizes)
     extended[0] += prepend_rows
@@ -274,7 +304,7 @@ def diff_output_sizes(sizes: Sequence[int], n: int, prepend_rows: int = 0, appen
 
 
 def _extra_rows(
-    func: Callable, name: str, extra: Any, x: ShardTensor, dim: int, layouts: dict[int, DimLayout]
+    func: Callable[..., Any], name: str, extra: Any, x: ShardTensor, dim: int, layouts: dict[int, DimLayout]
 ) -> torch.Tensor | None:
     """This rank's block (along the other sharded dims) of a prepend/append tensor, differentiable."""
     if extra is None:
@@ -315,34 +345,38 @@ def _validate_diff(x: ShardTensor, n: int, dim: int, prepend: Any, append: Any) 
     torch.diff(meta(x), n=n, dim=dim, prepend=meta(prepend), append=meta(append))
 
 
-def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_diff(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """torch.diff of a ShardTensor; along a sharded dim the trailing ranks lose the ``n`` rows.
 
-    Example::
+    Examples:
+        A plain ``prepend`` row counts as the first coordinate's (sizes 2/3 -> 3/2):
 
-        patches.function(torch.diff, sharded_diff)
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full, first = torch.arange(5.0) ** 2, torch.tensor([-1.0])
+        >>> d = shard_tensor(full, mesh, [Shard(0)], [2, 3]).diff(prepend=first)
+        >>> tuple(d.to_local().shape) == [(3,), (2,)][rank]
+        True
+        >>> torch.equal(d.full_tensor(), full.diff(prepend=first))
+        True
     """
-    names = [("n", 1), ("dim", -1), ("prepend", None), ("append", None)]
-    if not args:
-        raise TypeError(f"{describe_target(func)}: missing the input tensor")
-    if len(args) - 1 > len(names):
-        raise TypeError(f"{describe_target(func)}: too many positional arguments")
-    bound = {name: default for name, default in names}
-    bound.update(zip((nm for nm, _ in names), args[1:]))
-    bound.update(kwargs)
+    bound = bind_arguments(_diff, args, kwargs)
+    x = bound["input"]
     extras = [bound[k] for k in ("prepend", "append") if isinstance(bound[k], ShardTensor)]
-    if extras and not _fallback_takes_extras(args[0], bound["dim"], extras):
+    if extras and not _fallback_takes_extras(x, bound["dim"], extras):
         raise MissingShardPatch(
             f"{describe_target(func)}: prepend/append as a ShardTensor, with the input or it sharded on a dim "
             f"other than dim={bound['dim']} on splits that are not torch.chunk's (placements "
-            f"{[tuple(t.placements) for t in [args[0], *extras] if isinstance(t, (ShardTensor, DTensor))]}), "
+            f"{[tuple(t.placements) for t in [x, *extras] if isinstance(t, (ShardTensor, DTensor))]}), "
             "is not supported: "
             "the DTensor fallback raises there, or one rank raises while the other hangs (measured on 2 ranks); "
             "pass a plain tensor (identical on every rank)"
         )
-    if _is_partial(args[0]) or extras:
+    if is_partial(x) or extras:
         return delegate(func, types, args, kwargs)  # linear in x / extra rows the fallback aligns right
-    x = require_shard_input(func, args[0])
+    x = require_shard_input(func, x)
     n, dim = int(bound["n"]), normalize_dim(func, bound["dim"], x.ndim)
     layouts = sharded_dims(x)
     prepend = _extra_rows(func, "prepend", bound["prepend"], x, dim, layouts)
@@ -389,17 +423,12 @@ def sharded_diff(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     out = torch.diff(chunk, n=n, dim=dim)
     if n == 0:
         out = out.clone()  # torch.diff(n=0) returns its input; the chunk may alias the local block
-    return from_local_like(out, x, sizes={dim: out_sizes})
+    return from_local_like(out, x, sizes_by_tensor_dim={dim: out_sizes})
 
-
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
 
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare torch.gradient and torch.diff handlers."""
     patches.function(
         torch.gradient,

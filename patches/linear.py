@@ -12,24 +12,37 @@ parameters and ``check_conformance`` expect. This override reduces them in the
 backward pass: one all-reduce of the weight (and one of the bias) gradient per
 mesh dimension that shards the input.
 
-Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
-calls whose input is not a ShardTensor, inputs sharded on the feature dimension
-(a contraction over a sharded dim, which the built-in routes to DTensor), and
+Delegated to the built-in (`delegate`):
+calls whose input is not a ShardTensor, and inputs sharded on the feature dimension
+(a contraction over a sharded dim, which the built-in routes to DTensor).
 Inputs with a ``Partial`` placement (GALE's attention projection) are summed
 first (one all-reduce, as the built-in's DTensor path does), then handled like
 any other, so the weight gradient is reduced and ``Replicate`` where the built-in
 leaves it ``Partial``.
+
 Refused (``MissingShardPatch``): sharded (non-``Replicate``) weights or biases,
 and one tensor dim sharded over several mesh dims (what PhysicsNeMo's own ``view`` gives
 when flattening an H- and W-sharded grid into points, and cannot reshape back;
-with the ``misc_ops`` plugin that reshape gathers W first, so FNO's decoder
+with the ``layout_ops`` plugin that reshape gathers W first, so FNO's decoder
 gets points sharded over one mesh dim).
 
-Example (2 ranks, rows split 9/8)::
+Examples:
+    On 2 ranks (``mesh``, ``rank``), rows split 9/8; the weight gradient is summed over both ranks:
 
-    decoder = distribute_module(torch.nn.Linear(8, 3), mesh)
-    y = decoder(x_shard)             # Shard(1) like x_shard, 9/8 rows
-    y.sum().backward()               # decoder.weight.grad is Replicate and summed over both ranks
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 17 * 8).reshape(1, 17, 8)
+    >>> w = torch.linspace(-1, 1, 3 * 8).reshape(3, 8).requires_grad_()
+    >>> y = F.linear(shard_tensor(full, mesh, [Shard(1)], [9, 8]), w)
+    >>> tuple(y.to_local().shape) == [(1, 9, 3), (1, 8, 3)][rank]
+    True
+    >>> torch.allclose(y.full_tensor(), F.linear(full, w), atol=1e-6)
+    True
+    >>> y.to_local().sum().backward()
+    >>> torch.allclose(w.grad, full.sum((0, 1)).expand(3, 8), atol=1e-5)   # both ranks' rows
+    True
 """
 
 from __future__ import annotations
@@ -39,49 +52,55 @@ from typing import Any
 
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
 from torch.distributed.tensor import Replicate
 
-from physicsnemo_shardext import hookimpl
-from physicsnemo_shardext.primitives import delegate, from_local_like, sharded_dims
-from physicsnemo_shardext.primitives.replicated import replicated_local
+from physicsnemo_shardext import PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    bind_arguments,
+    delegate,
+    from_local_like,
+    is_partial,
+    replicated_local,
+    sharded_dims,
+    sharding_mesh_dims,
+    sum_grad_over,
+)
 
 __all__ = ["sharded_linear"]
 
 
-def sharded_linear(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
-    """Local ``F.linear`` on each rank's rows; weight/bias gradients all-reduced over the sharded mesh dims.
+def _linear(input: Any, weight: Any, bias: Any = None) -> None:
+    """The parameters of ``F.linear`` (a C builtin without an introspectable signature)."""
 
-    Example::
 
-        patches.function(torch.nn.functional.linear, sharded_linear, override=True)
+def sharded_linear(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Local ``F.linear`` on each rank's rows; weight/bias gradients summed over the sharded mesh dims.
+
+    Declared with ``patches.function(torch.nn.functional.linear, sharded_linear, override=True)``.
     """
-    names = ("input", "weight", "bias")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+    a = bind_arguments(_linear, args, kwargs)
+    x, weight, bias = a["input"], a["weight"], a["bias"]
     if not isinstance(x, ShardTensor):
         return delegate(func, types, args, kwargs)
-    if any(p.is_partial() for p in x._spec.placements):
+    if is_partial(x):
         # The sum first (one all-reduce, as the built-in does inside DTensor), so that the
         # weight gradient comes back reduced and Replicate like every other call's.
         x = x.redistribute(x._spec.mesh, [Replicate() if p.is_partial() else p for p in x._spec.placements])
     if (x.ndim - 1) in sharded_dims(x):  # raises MissingShardPatch for nested sharding of one dim
         return delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
-    weight = GradReducer.apply(replicated_local(weight, "torch.nn.functional.linear: weight"), x._spec)
+    mesh, mesh_dims = x._spec.mesh, sharding_mesh_dims(x)
+    weight = sum_grad_over(replicated_local(weight, "torch.nn.functional.linear: weight"), mesh, mesh_dims)
     if bias is not None:
-        bias = GradReducer.apply(replicated_local(bias, "torch.nn.functional.linear: bias"), x._spec)
+        bias = sum_grad_over(replicated_local(bias, "torch.nn.functional.linear: bias"), mesh, mesh_dims)
     return from_local_like(F.linear(x.to_local(), weight, bias), x)
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals (and its GradReducer)."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Override the built-in ``F.linear`` handler (it delegates back for what it does not change)."""
     patches.function(
         F.linear,

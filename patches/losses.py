@@ -37,10 +37,29 @@ dims only, matrix norms other than Frobenius, and ``p`` of ``0``, ``inf`` or
 below zero. With the ``fallback_fix`` plugin, a fallback result that is still a
 ``Partial(avg)`` it cannot trust raises ``MissingShardPatch``.
 
-Example (2 ranks, x and target of shape (1, 3, 17, 4) split 9/8 on dim 2)::
+Refused: nothing by this family itself. Every configuration it does not
+compute goes to the fallback it replaced, so installing it never makes a
+working loss fail; the only refusal on this path is ``fallback_fix``'s, for a
+``Partial(avg)`` result whose value or gradient would be wrong.
 
-    loss = F.mse_loss(model(x), target)   # Replicate scalar, equal to the single-process loss
-    loss.backward()                       # every gradient equal to single-process
+Examples:
+    On 2 ranks, input and target of shape (1, 3, 17, 4) split 9/8 on dim 2: the loss is a
+    ``Replicate`` scalar equal to the single-process one, and so is every gradient:
+
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 3 * 17 * 4).reshape(1, 3, 17, 4)
+    >>> target = torch.linspace(0, 1, 3 * 17 * 4).reshape(1, 3, 17, 4)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [9, 8]).requires_grad_(True)
+    >>> loss = F.mse_loss(x, shard_tensor(target, mesh, [Shard(2)], [9, 8]))
+    >>> loss.placements, torch.allclose(loss.full_tensor(), F.mse_loss(full, target))
+    ((Replicate(),), True)
+    >>> leaf = full.clone().requires_grad_(True)
+    >>> F.mse_loss(leaf, target).backward()
+    >>> loss.backward()
+    >>> torch.allclose(x.grad.full_tensor(), leaf.grad)
+    True
 """
 
 from __future__ import annotations
@@ -57,11 +76,18 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn import _reduction
 
-from physicsnemo_shardext import hookimpl
-from physicsnemo_shardext.primitives import build_shard_tensor, delegate, from_local_like, sharded_dims
-from physicsnemo_shardext.primitives.replicated import (
+from physicsnemo_shardext import PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    bind_arguments,
+    build_shard_tensor,
+    delegate,
+    from_local_like,
+    is_partial,
     replicated_local,
     replicated_part,
+    sharded_dims,
+    sharding_mesh_dims,
     sum_grad_over,
     sum_to_replicated,
 )
@@ -80,7 +106,7 @@ class _LossForm:
     mean_by: str | None = None  # an argument whose global sum is the mean's divisor (else: element count)
 
 
-_ELEMENTWISE: dict[Callable, _LossForm] = {
+_ELEMENTWISE: dict[Callable[..., Any], _LossForm] = {
     F.mse_loss: _LossForm(("input", "target", "weight"), mean_by="weight"),
     F.l1_loss: _LossForm(("input", "target", "weight"), mean_by="weight"),
     F.smooth_l1_loss: _LossForm(("input", "target")),
@@ -95,14 +121,12 @@ _ELEMENTWISE: dict[Callable, _LossForm] = {
     F.margin_ranking_loss: _LossForm(("input1", "input2", "target")),
 }
 
-_CLASS_LOSSES: tuple[Callable, ...] = (F.cross_entropy, F.nll_loss)
+_CLASS_LOSSES: tuple[Callable[..., Any], ...] = (F.cross_entropy, F.nll_loss)
 
 
-def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _loss_arguments(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Arguments by name (defaults filled), with the legacy ``size_average``/``reduce`` folded into ``reduction``."""
-    bound = inspect.signature(func).bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
+    arguments = bind_arguments(func, args, kwargs)
     if arguments.get("size_average") is not None or arguments.get("reduce") is not None:
         arguments["reduction"] = _reduction.legacy_get_string(arguments["size_average"], arguments["reduce"])
     for legacy in ("size_average", "reduce"):
@@ -127,10 +151,6 @@ def _same_sharding(a: ShardTensor, b: ShardTensor) -> bool:
     )
 
 
-def _sharding_mesh_dims(x: ShardTensor) -> list[int]:
-    return sorted(layout.mesh_dim for layout in sharded_dims(x).values())
-
-
 def _replicated_scalar(value: torch.Tensor, like: ShardTensor) -> ShardTensor:
     mesh = like._spec.mesh
     return build_shard_tensor(value, mesh, [Replicate()] * mesh.ndim, {})
@@ -138,13 +158,13 @@ def _replicated_scalar(value: torch.Tensor, like: ShardTensor) -> ShardTensor:
 
 def _reduce(local: torch.Tensor, like: ShardTensor, reduction: str, divisor: Callable[[], torch.Tensor | float]) -> Any:
     """Sum ``local`` over every shard; ``"mean"`` divides by ``divisor()``. Returns a Replicate scalar."""
-    total = sum_to_replicated(local.sum(), like._spec.mesh, _sharding_mesh_dims(like))
+    total = sum_to_replicated(local.sum(), like._spec.mesh, sharding_mesh_dims(like))
     if reduction == "mean":
         total = total / divisor()
     return _replicated_scalar(total, like)
 
 
-def _row_reference(func: Callable, arguments: dict[str, Any], form: _LossForm) -> ShardTensor | None:
+def _row_reference(func: Callable[..., Any], arguments: dict[str, Any], form: _LossForm) -> ShardTensor | None:
     """The ShardTensor the loss is computed over, or None where this handler does not apply."""
     operands = {name: arguments.get(name) for name in form.rows}
     shards = [v for v in operands.values() if isinstance(v, ShardTensor)]
@@ -154,7 +174,7 @@ def _row_reference(func: Callable, arguments: dict[str, Any], form: _LossForm) -
     others = [v for k, v in arguments.items() if k not in form.rows]
     if any(isinstance(v, ShardTensor) or _is_sharded_dtensor(v) for v in others):
         return None
-    if any(p.is_partial() for p in reference._spec.placements):
+    if is_partial(reference):
         return None
     for value in operands.values():
         if isinstance(value, ShardTensor) and not _same_sharding(value, reference):
@@ -170,15 +190,24 @@ def _row_reference(func: Callable, arguments: dict[str, Any], form: _LossForm) -
     return reference
 
 
-def elementwise_loss(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def elementwise_loss(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """An elementwise loss (``mse``, ``l1``, ``huber``, ``bce``...) on each rank's rows, reduced over all shards.
 
-    Example::
+    Examples:
+        A replicated target is cut to each rank's rows; ``"sum"`` gives a ``Replicate`` scalar:
 
-        patches.function(torch.nn.functional.mse_loss, elementwise_loss)
+        >>> import torch.nn.functional as F
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full, target = torch.arange(6.0).reshape(3, 2), torch.ones(3, 2)
+        >>> loss = F.l1_loss(shard_tensor(full, mesh, [Shard(0)], [2, 1]), target, reduction="sum")
+        >>> loss.placements, loss.full_tensor().item() == F.l1_loss(full, target, reduction="sum").item()
+        ((Replicate(),), True)
     """
     form = _ELEMENTWISE[func]
-    arguments = _bind(func, args, kwargs)
+    arguments = _loss_arguments(func, args, kwargs)
     if func is F.gaussian_nll_loss:
         arguments = _gaussian_variance_as_rows(arguments)
     reference = _row_reference(func, arguments, form)
@@ -201,7 +230,7 @@ def elementwise_loss(func: Callable, types: tuple, args: tuple, kwargs: dict) ->
         weights = local_arguments.get(form.mean_by) if form.mean_by else None
         if isinstance(weights, torch.Tensor):
             local_weight = weights.expand(local.shape).sum()
-            return sum_to_replicated(local_weight, reference._spec.mesh, _sharding_mesh_dims(reference))
+            return sum_to_replicated(local_weight, reference._spec.mesh, sharding_mesh_dims(reference))
         if reduction == "batchmean":
             return float(reference.shape[0]) if reference.ndim else 1.0
         return float(math.prod(reference.shape))
@@ -228,19 +257,28 @@ def _target_dim(input_dim: int) -> int:
     return input_dim if input_dim == 0 else input_dim - 1
 
 
-def class_loss(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def class_loss(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``cross_entropy`` / ``nll_loss`` with the input sharded on a batch or spatial dim (not on classes).
 
-    Example::
+    Examples:
+        A batch of 5 split 4/1, with replicated class targets:
 
-        patches.function(torch.nn.functional.cross_entropy, class_loss)
+        >>> import torch.nn.functional as F
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> logits, target = torch.linspace(-1, 1, 15).reshape(5, 3), torch.tensor([0, 2, 1, 1, 0])
+        >>> loss = F.cross_entropy(shard_tensor(logits, mesh, [Shard(0)], [4, 1]), target)
+        >>> torch.allclose(loss.full_tensor(), F.cross_entropy(logits, target))
+        True
     """
-    arguments = _bind(func, args, kwargs)
+    arguments = _loss_arguments(func, args, kwargs)
     x, target, weight = arguments["input"], arguments["target"], arguments.get("weight")
     if (
         not isinstance(x, ShardTensor)
         or x.ndim < 2
-        or any(p.is_partial() for p in x._spec.placements)
+        or is_partial(x)
         or 1 in sharded_dims(x)
         or _is_sharded_dtensor(weight)
         or isinstance(weight, ShardTensor)
@@ -264,7 +302,7 @@ def class_loss(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         target_local = replicated_local(target, f"{func.__name__}: target")
         for d, layout in layouts.items():
             target_local = target_local.narrow(_target_dim(d), layout.start, layout.local_size)
-    mesh, mesh_dims = x._spec.mesh, _sharding_mesh_dims(x)
+    mesh, mesh_dims = x._spec.mesh, sharding_mesh_dims(x)
     weight_local = replicated_local(weight, f"{func.__name__}: weight")
     if isinstance(weight_local, torch.Tensor) and weight_local.requires_grad:
         weight_local = sum_grad_over(weight_local, mesh, mesh_dims)  # each rank saw only its rows' classes
@@ -297,22 +335,40 @@ def _class_output(local: torch.Tensor, x: ShardTensor) -> ShardTensor:
 
 
 # -- norms ---------------------------------------------------------------------------------
-def _norm_arguments(func: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, bool, Any]:
-    """``(x, ord, dim, keepdim, dtype)`` of any of the four norm entry points, ``ord`` as torch.norm spells it."""
-    names = {
-        torch.linalg.vector_norm: ("x", "ord", "dim", "keepdim"),
-        torch.linalg.norm: ("A", "ord", "dim", "keepdim"),
-        torch.norm: ("input", "p", "dim", "keepdim"),
-        torch.Tensor.norm: ("self", "p", "dim", "keepdim"),
-    }[func]
-    values = dict(zip(names, args))
-    values.update(kwargs)
-    defaults = {torch.linalg.vector_norm: 2, torch.linalg.norm: None, torch.norm: "fro", torch.Tensor.norm: "fro"}
-    order = values.get(names[1], defaults[func])
-    return values.get(names[0]), order, values.get("dim"), bool(values.get("keepdim", False)), values.get("dtype")
+# Mirrors of torch's C builtins (no introspectable signature), for ``bind_arguments``.
+def _vector_norm(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None,
+                 out: Any = None) -> None:
+    """``torch.linalg.vector_norm``."""
 
 
-def _vector_order(func: Callable, order: Any, dim: Any, ndim: int) -> float | None:
+def _linalg_norm(input: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *, out: Any = None,
+                 dtype: Any = None) -> None:
+    """``torch.linalg.norm``."""
+
+
+def _mean(input: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None, out: Any = None) -> None:
+    """``torch.mean``/``Tensor.mean``."""
+
+
+#: norm target -> (reference to bind against, name of its tensor argument, name of its order argument).
+_NORM_REFERENCES: dict[Callable[..., Any], tuple[Callable[..., Any], str, str]] = {
+    torch.linalg.vector_norm: (_vector_norm, "x", "ord"),
+    torch.linalg.norm: (_linalg_norm, "input", "ord"),
+    torch.norm: (torch.norm, "input", "p"),
+    torch.Tensor.norm: (torch.Tensor.norm, "self", "p"),
+}
+
+
+def _norm_arguments(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any, bool, Any, Any]:
+    """``(x, ord, dim, keepdim, dtype, out)`` of any of the four norm entry points."""
+    reference, tensor_name, order_name = _NORM_REFERENCES[func]
+    a = bind_arguments(reference, args, kwargs)
+    return a[tensor_name], a[order_name], a["dim"], bool(a["keepdim"]), a["dtype"], a.get("out")
+
+
+def _vector_order(func: Callable[..., Any], order: Any, dim: Any, ndim: int) -> float | None:
     """The vector ``p`` that the call computes, or None for a matrix norm other than Frobenius."""
     dims = None if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
     if order is None or order == "fro":
@@ -326,15 +382,24 @@ def _vector_order(func: Callable, order: Any, dim: Any, ndim: int) -> float | No
     return float(order)
 
 
-def sharded_norm(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def sharded_norm(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """A vector (or Frobenius) norm reducing sharded dims: local sum of ``|x|^p``, one all-reduce, root.
 
-    Example::
+    Examples:
+        A relative error of rows split 3/0 on 2 ranks (rank 1 holds none) is a ``Replicate`` scalar:
 
-        rel = torch.linalg.norm(pred - target) / torch.linalg.norm(target)   # Replicate scalars
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> pred, target = torch.arange(6.0).reshape(3, 2), torch.ones(3, 2)
+        >>> p, t = (shard_tensor(v, mesh, [Shard(0)], [3, 0]) for v in (pred, target))
+        >>> rel = torch.linalg.norm(p - t) / torch.linalg.norm(t)
+        >>> rel.placements, torch.allclose(rel.full_tensor(), torch.linalg.norm(pred - target) / torch.linalg.norm(target))
+        ((Replicate(),), True)
     """
-    x, order, dim, keepdim, dtype = _norm_arguments(func, args, kwargs)
-    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements) or kwargs.get("out") is not None:
+    x, order, dim, keepdim, dtype, out = _norm_arguments(func, args, kwargs)
+    if not isinstance(x, ShardTensor) or is_partial(x) or out is not None:
         return delegate(func, types, args, kwargs)
     p = _vector_order(func, order, dim, x.ndim)
     reduced = _reduced_dims(dim, x.ndim)
@@ -382,8 +447,9 @@ class _KwargsProbe(torch.Tensor):
 def l1_loss_drops_weight() -> bool:
     """Whether ``F.l1_loss(x, t, weight=w)`` hands ``__torch_function__`` no ``weight`` (torch 2.14 does).
 
-    >>> isinstance(l1_loss_drops_weight(), bool)
-    True
+    Examples:
+        >>> isinstance(l1_loss_drops_weight(), bool)
+        True
     """
     if "weight" not in inspect.signature(F.l1_loss).parameters:
         return False
@@ -401,9 +467,14 @@ def l1_loss_keeping_weight(input: Any, target: Any, size_average: Any = None, re
 
     torch 2.14 drops it there, so a ShardTensor input silently lost its weights.
 
-    Example::
+    Examples:
+        On plain tensors it is torch's own ``l1_loss``:
 
-        F.l1_loss(x_sharded, target, weight=w)   # reaches the losses plugin with weight=w
+        >>> l1_loss_keeping_weight(torch.zeros(2), torch.ones(2), weight=torch.tensor([1.0, 3.0]))
+        tensor(1.)
+
+        With a ShardTensor input, ``F.l1_loss(x_sharded, target, weight=w)`` reaches the
+        losses plugin with ``weight=w``.
     """
     # Dispatched here, with torch's own function as ``func``: inside it, the name ``l1_loss``
     # is this wrapper now, which no handler table knows.
@@ -437,20 +508,27 @@ def _finish(result: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim: bo
     return _norm_output(result, x, reduced, keepdim)
 
 
-def sharded_mean(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def sharded_mean(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``torch.mean`` / ``Tensor.mean`` over sharded dims: global sum / global count, empty shards included.
 
     PhysicsNeMo's built-in weights each rank's local mean, which is NaN on a rank
     holding no rows. Means over unsharded dims go to the built-in.
 
-    Example::
+    Examples:
+        Rows split 4/0 on 2 ranks: equal to single-process, no NaN on the empty rank:
 
-        m = x.mean(dim=2)        # x split 17/0 on dim 2: equal to single-process, no NaN
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(8.0).reshape(4, 2)
+        >>> m = shard_tensor(full, mesh, [Shard(0)], [4, 0]).mean(dim=0)
+        >>> m.placements, m.full_tensor()
+        ((Replicate(),), tensor([3., 4.]))
     """
-    values = dict(zip(("input", "dim", "keepdim"), args))
-    values.update(kwargs)
-    x, dim, keepdim, dtype = values.get("input"), values.get("dim"), bool(values.get("keepdim", False)), values.get("dtype")
-    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements) or values.get("out") is not None:
+    a = bind_arguments(_mean, args, kwargs)
+    x, dim, keepdim, dtype = a["input"], a["dim"], bool(a["keepdim"]), a["dtype"]
+    if not isinstance(x, ShardTensor) or is_partial(x) or a["out"] is not None:
         return delegate(func, types, args, kwargs)
     reduced = _reduced_dims(dim, x.ndim)
     if not reduced & set(sharded_dims(x)):
@@ -460,8 +538,14 @@ def sharded_mean(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any
     return _finish(_global_sum(local, x, reduced) / count, x, reduced, keepdim)
 
 
-def _moment_arguments(func: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, float, bool] | None:
-    """``(x, dim, correction, keepdim)`` of a var/std call in any of its spellings, or None if unrecognized."""
+def _moment_arguments(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, float, bool] | None:
+    """``(x, dim, correction, keepdim)`` of a var/std call in any of its spellings, or None if unrecognized.
+
+    Not ``bind_arguments``: torch's var/std overloads (``var(x, unbiased)``,
+    ``var(x, dim, unbiased, keepdim)``, ``var(x, dim, *, correction)``) share no one signature.
+    """
     x, *rest = args
     dim, correction, keepdim = None, 1.0, False
     if rest and isinstance(rest[0], bool):  # var(x, unbiased)
@@ -491,22 +575,30 @@ _VARIANCE_OPS = {
 }
 
 
-def sharded_variance(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def sharded_variance(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``var`` / ``std`` / ``var_mean`` / ``std_mean`` over sharded dims: two all-reduces (mean, squared deviations).
 
     The mean is taken as a constant in the deviations: its gradient through them sums to
     zero over the whole tensor, and no rank could compute it from its own rows.
 
-    Example::
+    Examples:
+        Columns split 3/1 on 2 ranks; the std over them is ``Replicate`` over that mesh dim:
 
-        s = x.std(dim=2)          # x split 9/8 on dim 2: Replicate over that mesh dim
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(8.0).reshape(2, 4) ** 2
+        >>> s = shard_tensor(full, mesh, [Shard(1)], [3, 1]).std(dim=1)
+        >>> s.placements, torch.allclose(s.full_tensor(), full.std(dim=1))
+        ((Replicate(),), True)
     """
     parsed = _moment_arguments(func, args, kwargs)
     if parsed is None or not isinstance(parsed[0], ShardTensor):
         return delegate(func, types, args, kwargs)
     x, dim, correction, keepdim = parsed
     reduced = _reduced_dims(dim, x.ndim)
-    if any(p.is_partial() for p in x._spec.placements) or not reduced & set(sharded_dims(x)):
+    if is_partial(x) or not reduced & set(sharded_dims(x)):
         return delegate(func, types, args, kwargs)
     local = x.to_local()
     count = math.prod(x.shape[d] for d in reduced)
@@ -521,17 +613,12 @@ def sharded_variance(func: Callable, types: tuple, args: tuple, kwargs: dict) ->
     return (result, _finish(mean, x, reduced, keepdim)) if with_mean else result
 
 
-_NORMS: tuple[Callable, ...] = (torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm)
+_NORMS: tuple[Callable[..., Any], ...] = (torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm)
 
-
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor spec API."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
 
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the loss and norm handlers."""
     for loss in _ELEMENTWISE:
         patches.function(loss, elementwise_loss,

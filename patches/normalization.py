@@ -1,9 +1,9 @@
 """Batch, instance, layer, RMS and group normalization over sharded dims.
 
 Every norm here computes statistics (mean, variance or mean square) over some
-tensor dims. Dims that are sharded among those are reduced with an autograd-aware
-``all_reduce`` of the per-statistic partial sums, over exactly the mesh dims that
-shard them: communication is O(number of statistics) (channels for batch norm,
+tensor dims. Dims that are sharded among those are reduced with
+`all_reduce_sum` (sum forward and backward) of the
+per-statistic partial sums, over exactly the mesh dims that shard them: communication is O(number of statistics) (channels for batch norm,
 samples x groups for group norm...), activations are never gathered, and the
 normalization itself is local, so the output keeps the input's layout.
 
@@ -20,7 +20,7 @@ normalization itself is local, so the output keeps the input's layout.
 Parameters (Replicate) get gradients all-reduced over every mesh dim that shards
 the input, so they come back Replicate and complete.
 
-Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
+Delegated (`delegate`, to the DTensor
 fallback: PhysicsNeMo has no handler for these four), checked on 2 ranks against
 single-process (values, input and parameter gradients):
 
@@ -30,7 +30,7 @@ single-process (values, input and parameter gradients):
 * calls torch itself rejects (batch norm of rank < 2, instance norm of rank < 3, eval /
   ``use_input_stats=False`` without running statistics): the delegate raises torch's error.
 
-Refused (:class:`~physicsnemo_shardext.MissingShardPatch`):
+Refused (`MissingShardPatch`):
 
 * ``group_norm`` of a ``Partial`` input (the built-in fails: ``'Partial' object has no
   attribute 'dim'``), of rank < 2 (the built-in fails with an IndexError), with the
@@ -44,95 +44,78 @@ Refused (:class:`~physicsnemo_shardext.MissingShardPatch`):
 * a tensor dim sharded by two mesh dims (PhysicsNeMo 2.2's ShardTensor cannot hold that
   layout on CPU ranks: ``from_dtensor`` rejects its local shape, checked on a 2x2 mesh).
 
-Example (2 ranks, H sharded unevenly)::
+Examples:
+    Batch norm of a height split 10 + 7 on 2 ranks keeps the split and equals single-process:
 
-    bn = torch.nn.BatchNorm2d(4)
-    y = bn(x_sharded)          # Shard(2) output; two all_reduces of 4 floats each
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-3, 3, 2 * 4 * 17 * 3).reshape(2, 4, 17, 3)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+    >>> y = torch.nn.BatchNorm2d(4)(x)   # two all_reduces of 4 floats each
+    >>> tuple(y.to_local().shape) == [(2, 4, 10, 3), (2, 4, 7, 3)][rank], y.placements
+    (True, (Shard(dim=2),))
+    >>> torch.allclose(y.full_tensor(), torch.nn.BatchNorm2d(4)(full), atol=1e-5)
+    True
+    >>> torch.allclose(F.layer_norm(x, (17, 3)).full_tensor(), F.layer_norm(full, (17, 3)), atol=1e-5)
+    True
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import delegate
-from physicsnemo_shardext.primitives.replicated import replicated_local, sum_grad_over
+from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    all_reduce_sum,
+    bind_arguments,
+    delegate,
+    from_local_like,
+    is_partial,
+    replicated_local,
+    sharded_dims,
+    sharding_mesh_dims,
+    sum_grad_over,
+)
 
 __all__ = ["NORMALIZATION_TARGETS"]
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
 
-
-# -- layout helpers -------------------------------------------------------------------------
-class _Layout:
-    """Which tensor dim each mesh dim shards, and the global sizes, of one ShardTensor."""
-
-    def __init__(self, x: ShardTensor, op: str) -> None:
-        self.x, self.mesh = x, x.device_mesh
-        self.ndim = x.dim()
-        self.shard_of: dict[int, int] = {}  # mesh dim -> tensor dim
-        for mesh_dim, p in enumerate(x.placements):
-            if isinstance(p, Partial):  # group_norm only: the others delegate Partial inputs
-                raise MissingShardPatch(
-                    f"{op}: Partial input placements {tuple(x.placements)} are not supported "
-                    "(PhysicsNeMo's built-in fails on them too)"
-                )
-            if isinstance(p, Shard):
-                dim = p.dim % self.ndim
-                if dim in self.shard_of.values():
-                    raise MissingShardPatch(f"{op}: tensor dim {dim} sharded by two mesh dims is not supported")
-                self.shard_of[mesh_dim] = dim
-        self.global_shape = tuple(x.shape)
-
-    def groups_sharding(self, dims: Sequence[int]) -> list[Any]:
-        """Process groups of the mesh dims that shard any of ``dims``."""
-        wanted = {d % self.ndim for d in dims}
-        return [self.mesh.get_group(m) for m, d in self.shard_of.items() if d in wanted]
-
-    def all_shard_groups(self) -> list[Any]:
-        return [self.mesh.get_group(m) for m in self.shard_of]
-
-    def offset_size(self, dim: int) -> tuple[int, int] | None:
-        """This rank's (start, length) along a sharded tensor dim, else ``None``."""
-        for mesh_dim, d in self.shard_of.items():
-            if d == dim:
-                sizes = [s[dim] for s in self.x._spec.sharding_shapes()[mesh_dim]]
-                coord = self.mesh.get_local_rank(mesh_dim)
-                return sum(sizes[:coord]), sizes[coord]
-        return None
-
-    def wrap(self, local: torch.Tensor) -> ShardTensor:
-        """A ShardTensor laid out like the input (same placements and uneven shapes)."""
-        return ShardTensor.from_local(
-            local, self.mesh, self.x.placements, sharding_shapes=self.x._spec.sharding_shapes()
+# -- plan: which mesh dims shard the reduced dims ------------------------------------------
+def _layouts(x: ShardTensor, op: str) -> dict[int, DimLayout]:
+    """The sharded dims of a norm's input; ``Partial`` and nested sharding are refused."""
+    if is_partial(x):  # group_norm only: the others delegate Partial inputs
+        raise MissingShardPatch(
+            f"{op}: Partial input placements {tuple(x.placements)} are not supported "
+            "(PhysicsNeMo's built-in fails on them too)"
         )
+    try:
+        return sharded_dims(x)
+    except MissingShardPatch as error:  # a tensor dim sharded by two mesh dims
+        raise MissingShardPatch(f"{op}: {error}") from None
 
 
-def _all_reduce(t: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
-    """Differentiable sum over each group in turn (one collective per sharding mesh dim)."""
-    for group in groups:
-        t = dist_fn.all_reduce(t, group=group)
-    return t
+def _mesh_dims_sharding(layouts: dict[int, DimLayout], dims: Sequence[int], ndim: int) -> list[int]:
+    """The mesh dims that shard any of ``dims``, in mesh-dim order (one all-reduce each)."""
+    wanted = {d % ndim for d in dims}
+    return sorted(layout.mesh_dim for d, layout in layouts.items() if d in wanted)
 
 
-def _param(t: Any, layout: _Layout, op: str, name: str) -> torch.Tensor | None:
+def _param(t: Any, x: ShardTensor, op: str, name: str) -> torch.Tensor | None:
     """Local full copy of a Replicate parameter whose gradient is completed over the shards."""
     if t is None:
         return None
-    return sum_grad_over(replicated_local(t, f"{op}: {name}"), layout.mesh, list(layout.shard_of))
+    return sum_grad_over(replicated_local(t, f"{op}: {name}"), x._spec.mesh, sharding_mesh_dims(x))
 
 
 def _buffer(t: Any, op: str, name: str) -> torch.Tensor | None:
@@ -147,17 +130,22 @@ def _buffer(t: Any, op: str, name: str) -> torch.Tensor | None:
 
 
 def _moments(
-    x: torch.Tensor, dims: Sequence[int], groups: Sequence[Any], count: int
+    x: torch.Tensor, dims: Sequence[int], like: ShardTensor, mesh_dims: Sequence[int], count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global mean and biased variance over ``dims`` (two all_reduces of the statistics' size)."""
-    mean = _all_reduce(x.sum(dim=tuple(dims), keepdim=True), groups) / count
+    """Global mean and biased variance over ``dims`` (two all_reduces of the statistics' size).
+
+    The partial sums feed back into every rank's sharded rows: ``all_reduce_sum`` (sum forward
+    and backward).
+    """
+    mesh = like._spec.mesh
+    mean = all_reduce_sum(x.sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
     centered = x - mean
-    var = _all_reduce((centered * centered).sum(dim=tuple(dims), keepdim=True), groups) / count
+    var = all_reduce_sum((centered * centered).sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
     return mean, var
 
 
-def _count(layout: _Layout, dims: Sequence[int]) -> int:
-    return math.prod(layout.global_shape[d] for d in dims)
+def _count(x: ShardTensor, dims: Sequence[int]) -> int:
+    return math.prod(x.shape[d] for d in dims)
 
 
 _REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -173,17 +161,11 @@ def _as_input(y: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return y.to(local.dtype) if local.dtype in _REDUCED_PRECISION else y
 
 
-def _bind(func: Callable, signature_of: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = inspect.signature(signature_of).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def _refuse_sharded(layout: _Layout, dims: Sequence[int], op: str, what: str) -> None:
+def _refuse_sharded(layouts: dict[int, DimLayout], dims: Sequence[int], ndim: int, op: str, what: str) -> None:
     for d in dims:
-        if d % layout.ndim in layout.shard_of.values():
+        if d % ndim in layouts:
             raise MissingShardPatch(
-                f"{op}: sharding the {what} (tensor dim {d % layout.ndim}) is not supported "
+                f"{op}: sharding the {what} (tensor dim {d % ndim}) is not supported "
                 "(the DTensor fallback is wrong or fails there: checked on 2 ranks)"
             )
 
@@ -217,48 +199,45 @@ def _update_running(
 
 
 def _channel_norm_call(
-    func: Callable, reference: Callable, args: tuple, kwargs: dict, op: str, min_rank: int
-) -> tuple[dict, ShardTensor, _Layout, torch.Tensor | None, torch.Tensor | None]:
-    """What batch, instance and group norm check first: bound arguments, rank, unsharded channels, parameters.
+    a: dict[str, Any], op: str, min_rank: int
+) -> tuple[ShardTensor, dict[int, DimLayout], torch.Tensor | None, torch.Tensor | None]:
+    """What batch, instance and group norm check first: rank, unsharded channels, parameters.
 
-    Returns ``(arguments, input, layout, weight, bias)``; weight and bias are local copies whose
+    Returns ``(input, layouts, weight, bias)``; weight and bias are local copies whose
     gradients are completed over the shards.
     """
-    a = _bind(func, reference, args, kwargs)
     x = a["input"]
-    layout = _Layout(x, op)
+    layouts = _layouts(x, op)
     if x.dim() < min_rank:
         raise MissingShardPatch(f"{op}: inputs of rank {x.dim()} are not supported")
-    _refuse_sharded(layout, [1], op, "channel dim")
-    return a, x, layout, _param(a["weight"], layout, op, "weight"), _param(a["bias"], layout, op, "bias")
+    _refuse_sharded(layouts, [1], x.dim(), op, "channel dim")
+    return x, layouts, _param(a["weight"], x, op, "weight"), _param(a["bias"], x, op, "bias")
 
 
-def _is_partial(x: Any) -> bool:
-    return isinstance(x, (ShardTensor, DTensor)) and any(p.is_partial() for p in x.placements)
-
-
-def _no_stats(a: dict) -> bool:
+def _no_stats(a: dict[str, Any]) -> bool:
     return a["running_mean"] is None or a["running_var"] is None
 
 
-def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
+def batch_norm_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Batch norm with global statistics over batch and sharded spatial dims (O(C) communication)."""
     op = "batch_norm"
-    a = _bind(func, F.batch_norm, args, kwargs)
+    a = bind_arguments(F.batch_norm, args, kwargs)
     x = a["input"]
-    if _is_partial(x) or x.dim() < 2 or (not a["training"] and _no_stats(a)):
+    if is_partial(x) or x.dim() < 2 or (not a["training"] and _no_stats(a)):
         # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors
         # (rank < 2, eval without running statistics) come back.
         return delegate(func, types, args, kwargs)
-    a, x, layout, weight, bias = _channel_norm_call(func, F.batch_norm, args, kwargs, op, min_rank=2)
+    x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=2)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = x.to_local(), a["eps"], x.dim()
     if a["training"]:
         dims = [0] + list(range(2, ndim))
-        count = _count(layout, dims)
+        count = _count(x, dims)
         if count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
-        mean, var = _moments(_opmath(local), dims, layout.groups_sharding(dims), count)
+        mean, var = _moments(_opmath(local), dims, x, _mesh_dims_sharding(layouts, dims, ndim), count)
         momentum = a["momentum"] if a["momentum"] is not None else 0.0
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * (count / (count - 1)), momentum)
@@ -266,124 +245,137 @@ def batch_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) ->
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: eval mode without running statistics is not supported")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    return layout.wrap(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local))
+    return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
 
 
 # -- instance norm --------------------------------------------------------------------------
-def instance_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
+def instance_norm_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Instance norm: per-sample per-channel statistics over sharded spatial dims (O(N*C))."""
     op = "instance_norm"
-    a = _bind(func, F.instance_norm, args, kwargs)
+    a = bind_arguments(F.instance_norm, args, kwargs)
     x = a["input"]
-    if _is_partial(x) or x.dim() < 3 or (not a["use_input_stats"] and _no_stats(a)):
+    if is_partial(x) or x.dim() < 3 or (not a["use_input_stats"] and _no_stats(a)):
         # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors come back.
         return delegate(func, types, args, kwargs)
-    a, x, layout, weight, bias = _channel_norm_call(func, F.instance_norm, args, kwargs, op, min_rank=3)
+    x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=3)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = x.to_local(), a["eps"], x.dim()
     spatial = list(range(2, ndim))
     if a["use_input_stats"]:
-        count = _count(layout, spatial)
+        count = _count(x, spatial)
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got input size {tuple(x.shape)}")
-        mean, var = _moments(_opmath(local), spatial, layout.groups_sharding(spatial), count)
+        mean, var = _moments(_opmath(local), spatial, x, _mesh_dims_sharding(layouts, spatial, ndim), count)
         if running_mean is not None or running_var is not None:
             # Running stats average the per-instance stats over the (possibly sharded) batch.
-            batch_groups, n = layout.groups_sharding([0]), layout.global_shape[0]
+            batch_mesh_dims, n = _mesh_dims_sharding(layouts, [0], ndim), x.shape[0]
             with torch.no_grad():
                 stats = torch.stack([mean.detach().flatten(1).sum(0), var.detach().flatten(1).sum(0)])
-                stats = _all_reduce(stats, batch_groups) / n
+                stats = all_reduce_sum(stats, x._spec.mesh, batch_mesh_dims) / n
             _update_running(running_mean, stats[0], a["momentum"])
             _update_running(running_var, stats[1] * (count / (count - 1)), a["momentum"])
     else:
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: use_input_stats=False without running statistics is not supported")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    return layout.wrap(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local))
+    return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
 
 
 # -- group norm -----------------------------------------------------------------------------
-def group_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
+def group_norm_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Group norm: per-sample per-group statistics over channels of the group and sharded spatial dims."""
     op = "group_norm"
-    a, x, layout, weight, bias = _channel_norm_call(func, F.group_norm, args, kwargs, op, min_rank=2)
+    a = bind_arguments(F.group_norm, args, kwargs)
+    x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=2)
     groups_n, n_channels = a["num_groups"], x.shape[1]
     if n_channels % groups_n:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}")
     local, ndim = x.to_local(), x.dim()
     grouped = _opmath(local).reshape((local.shape[0], groups_n, n_channels // groups_n) + tuple(local.shape[2:]))
     spatial = list(range(2, ndim))
-    count = (n_channels // groups_n) * _count(layout, spatial)
+    count = (n_channels // groups_n) * _count(x, spatial)
     # Reduce over (channels in group, spatial) of the grouped view: its dims 2.. ; sharded ones are spatial.
-    mean, var = _moments(grouped, list(range(2, ndim + 1)), layout.groups_sharding(spatial), count)
+    mean, var = _moments(grouped, list(range(2, ndim + 1)), x, _mesh_dims_sharding(layouts, spatial, ndim), count)
     y = ((grouped - mean) * torch.rsqrt(var + a["eps"])).reshape(local.shape)
     if weight is not None:
         y = y * _channel_view(weight, ndim)
     if bias is not None:
         y = y + _channel_view(bias, ndim)
-    return layout.wrap(_as_input(y, local))
+    return from_local_like(_as_input(y, local), x)
 
 
 # -- layer norm and RMS norm ----------------------------------------------------------------
-def _normalized_slice(t: torch.Tensor | None, layout: _Layout, first: int) -> torch.Tensor | None:
-    """This rank's slice of an elementwise affine parameter covering dims ``first..``."""
+def _normalized_slice(
+    t: torch.Tensor | None, layouts: dict[int, DimLayout], first: int, ndim: int
+) -> torch.Tensor | None:
+    """This rank's slice of an elementwise affine parameter covering dims ``first..ndim-1``."""
     if t is None:
         return None
-    for offset, dim in enumerate(range(first, layout.ndim)):
-        cut = layout.offset_size(dim)
-        if cut is not None:
-            t = t.narrow(offset, *cut)
+    for offset, dim in enumerate(range(first, ndim)):
+        layout = layouts.get(dim)
+        if layout is not None:
+            t = t.narrow(offset, layout.start, layout.local_size)
     return t
 
 
-def _trailing_norm(x: Any, normalized_shape: Sequence[int], op: str) -> tuple[_Layout, list[int], int]:
-    layout = _Layout(x, op)
+def _trailing_norm(x: Any, normalized_shape: Sequence[int], op: str) -> tuple[dict[int, DimLayout], list[int], int]:
+    layouts = _layouts(x, op)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"{op}: normalized_shape {shape} does not match the input's trailing dims {tuple(x.shape)}")
     first = x.dim() - len(shape)
-    return layout, list(range(first, x.dim())), first
+    return layouts, list(range(first, x.dim())), first
 
 
-def layer_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
+def layer_norm_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Layer norm; statistics all-reduced only when a normalized dim is sharded."""
-    a = _bind(func, F.layer_norm, args, kwargs)
+    a = bind_arguments(F.layer_norm, args, kwargs)
     x, op = a["input"], "layer_norm"
-    if _is_partial(x):
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked on 2 ranks)
-    layout, dims, first = _trailing_norm(x, a["normalized_shape"], op)
-    weight = _normalized_slice(_param(a["weight"], layout, op, "weight"), layout, first)
-    bias = _normalized_slice(_param(a["bias"], layout, op, "bias"), layout, first)
+    layouts, dims, first = _trailing_norm(x, a["normalized_shape"], op)
+    weight = _normalized_slice(_param(a["weight"], x, op, "weight"), layouts, first, x.dim())
+    bias = _normalized_slice(_param(a["bias"], x, op, "bias"), layouts, first, x.dim())
     local = x.to_local()
     work = _opmath(local)
-    mean, var = _moments(work, dims, layout.groups_sharding(dims), _count(layout, dims))
+    mean, var = _moments(work, dims, x, _mesh_dims_sharding(layouts, dims, x.dim()), _count(x, dims))
     y = (work - mean) * torch.rsqrt(var + a["eps"])
     if weight is not None:
         y = y * weight
     if bias is not None:
         y = y + bias
-    return layout.wrap(_as_input(y, local))
+    return from_local_like(_as_input(y, local), x)
 
 
-def rms_norm_handler(func: Callable, types: Any, args: tuple, kwargs: dict) -> ShardTensor:
+def rms_norm_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """RMS norm; the mean square is all-reduced only when a normalized dim is sharded."""
-    a = _bind(func, F.rms_norm, args, kwargs)
+    a = bind_arguments(F.rms_norm, args, kwargs)
     x, op = a["input"], "rms_norm"
-    if _is_partial(x):
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked on 2 ranks)
-    layout, dims, first = _trailing_norm(x, a["normalized_shape"], op)
-    weight = _normalized_slice(_param(a["weight"], layout, op, "weight"), layout, first)
+    layouts, dims, first = _trailing_norm(x, a["normalized_shape"], op)
+    weight = _normalized_slice(_param(a["weight"], x, op, "weight"), layouts, first, x.dim())
     local = x.to_local()
     work = _opmath(local)
     eps = a["eps"] if a["eps"] is not None else torch.finfo(work.dtype).eps
-    square = _all_reduce((work * work).sum(dim=tuple(dims), keepdim=True), layout.groups_sharding(dims))
-    y = work * torch.rsqrt(square / _count(layout, dims) + eps)
+    square = all_reduce_sum(
+        (work * work).sum(dim=tuple(dims), keepdim=True), x._spec.mesh, _mesh_dims_sharding(layouts, dims, x.dim())
+    )
+    y = work * torch.rsqrt(square / _count(x, dims) + eps)
     if weight is not None:
         y = y * weight
-    return layout.wrap(_as_input(y, local))
+    return from_local_like(_as_input(y, local), x)
 
 
-NORMALIZATION_TARGETS: dict[Callable, Callable] = {
+NORMALIZATION_TARGETS: dict[Callable[..., Any], FunctionHandler] = {
     F.batch_norm: batch_norm_handler,
     F.instance_norm: instance_norm_handler,
     F.layer_norm: layer_norm_handler,
@@ -391,11 +383,13 @@ NORMALIZATION_TARGETS: dict[Callable, Callable] = {
     F.group_norm: group_norm_handler,
 }
 
+#: The targets whose PhysicsNeMo built-in handler these replace (explicit consent, not computed):
+#: group_norm's reduces over mesh dim 0 only. PhysicsNeMo 2.2 has none for the other four.
+_OVERRIDES: frozenset[Callable[..., Any]] = frozenset({F.group_norm})
+
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the normalization handlers (group_norm overrides PhysicsNeMo's mesh-dim-0-only one)."""
-    from physicsnemo_shardext import builtin_handler
-
     for target, handler in NORMALIZATION_TARGETS.items():
-        patches.function(target, handler, override=builtin_handler(target) is not None)
+        patches.function(target, handler, override=target in _OVERRIDES)

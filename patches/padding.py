@@ -11,7 +11,7 @@ of the global result is a copy of global input row ``src(j - left)``, where
 * reflect:   ``src(q) = -q`` below 0, ``2(N-1) - q`` above ``N-1``;
 * replicate: ``src(q) = clamp(q, 0, N-1)``;
 
-and :func:`~physicsnemo_shardext.primitives.gather_global_indices` brings each
+and `gather_global_indices` brings each
 rank exactly the rows it lacks (pads wider than a tiny neighbour shard work:
 rows come from whichever rank owns them). Pads on several sharded dims (2-D
 mesh) are applied one dim after the other; these modes are separable, so the
@@ -26,7 +26,7 @@ to PhysicsNeMo's built-in (correct for that case); negative constant pads
 (cropping) on sharded dims are handled here: each rank keeps the part of its
 rows that survives the crop, so a crop wider than a boundary shard is fine.
 
-Delegated to the built-in (:func:`~physicsnemo_shardext.primitives.delegate`):
+Delegated to the built-in (`delegate`):
 ``Partial`` inputs with zero constant, reflect or replicate padding (linear in the
 input: the built-in pads each rank's term; checked on 2 ranks, values and gradients).
 
@@ -36,9 +36,19 @@ negative pads along a sharded dim with a non-constant mode. Invalid pads (reflec
 ``> N``, wrong pad length for the mode) raise torch's own error, checked on the
 global shape.
 
-Example (2 ranks, longitude sharded 10/7)::
+Examples:
+    On 2 ranks (``mesh``, ``rank``), longitude sharded 10/7; a circular pad of 2 grows the boundary shards:
 
-    y = F.pad(x, (2, 2, 0, 0), mode="circular")   # global width 21, shards 12/9
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.arange(2 * 17, dtype=torch.float32).reshape(1, 1, 2, 17)
+    >>> y = F.pad(shard_tensor(full, mesh, [Shard(3)], [10, 7]), (2, 2, 0, 0), mode="circular")
+    >>> tuple(y.to_local().shape) == [(1, 1, 2, 12), (1, 1, 2, 9)][rank]    # global width 21
+    True
+    >>> torch.equal(y.full_tensor(), F.pad(full, (2, 2, 0, 0), mode="circular"))
+    True
 """
 
 from __future__ import annotations
@@ -50,8 +60,18 @@ import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
-from physicsnemo_shardext import MissingShardPatch, builtin_handler, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
+from physicsnemo_shardext import MissingShardPatch, PatchSet, builtin_handler, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    bind_arguments,
+    connected_zeros,
+    delegate,
+    from_local_like,
+    gather_global_indices,
+    is_partial,
+    sharded_dims,
+)
 
 __all__ = ["pad_source_rows", "sharded_pad"]
 
@@ -61,12 +81,13 @@ _EXCHANGE_MODES = ("circular", "reflect", "replicate")
 def pad_source_rows(mode: str, total: int, left: int, out_rows: Sequence[int]) -> list[int]:
     """Global input row that each global output row of a padded dim copies.
 
-    >>> pad_source_rows("circular", 5, 2, range(9))
-    [3, 4, 0, 1, 2, 3, 4, 0, 1]
-    >>> pad_source_rows("reflect", 5, 2, range(9))
-    [2, 1, 0, 1, 2, 3, 4, 3, 2]
-    >>> pad_source_rows("replicate", 5, 2, range(9))
-    [0, 0, 0, 1, 2, 3, 4, 4, 4]
+    Examples:
+        >>> pad_source_rows("circular", 5, 2, range(9))
+        [3, 4, 0, 1, 2, 3, 4, 0, 1]
+        >>> pad_source_rows("reflect", 5, 2, range(9))
+        [2, 1, 0, 1, 2, 3, 4, 3, 2]
+        >>> pad_source_rows("replicate", 5, 2, range(9))
+        [0, 0, 0, 1, 2, 3, 4, 4, 4]
     """
     sources = []
     for j in out_rows:
@@ -82,8 +103,8 @@ def pad_source_rows(mode: str, total: int, left: int, out_rows: Sequence[int]) -
     return sources
 
 
-def _parse(input: Any, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> tuple:
-    return input, tuple(int(p) for p in pad), mode, value
+def _pad(input: Any, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> None:
+    """The parameters of ``F.pad`` (mirrored: in some torch versions it is a C builtin without a signature)."""
 
 
 def _pads_by_dim(pad: Sequence[int], ndim: int) -> dict[int, tuple[int, int]]:
@@ -92,16 +113,11 @@ def _pads_by_dim(pad: Sequence[int], ndim: int) -> dict[int, tuple[int, int]]:
 
 
 def _flat_pad(pads: dict[int, tuple[int, int]], ndim: int, count: int) -> tuple[int, ...]:
-    """Inverse of :func:`_pads_by_dim` for ``count`` trailing dims."""
+    """Inverse of `_pads_by_dim` for ``count`` trailing dims."""
     flat: list[int] = []
     for i in range(count):
         flat.extend(pads.get(ndim - 1 - i, (0, 0)))
     return tuple(flat)
-
-
-def _keep_graph(empty: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """An empty result still tied to ``source`` in autograd, so its backward (and collectives) run."""
-    return empty + source.sum() * 0
 
 
 def _exchange_pad(
@@ -143,18 +159,19 @@ def _constant_crop_pad(
     return padded, new_sizes
 
 
-def sharded_pad(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_pad(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """F.pad for ShardTensors (see the module docstring for modes, layout and refusals).
 
-    Example::
-
-        patches.function(torch.nn.functional.pad, sharded_pad, override=True)
+    Declared with ``patches.function(torch.nn.functional.pad, sharded_pad, override=True)``.
     """
-    x, pad, mode, value = _parse(*args, **kwargs)
+    a = bind_arguments(_pad, args, kwargs)
+    x, pad, mode, value = a["input"], tuple(int(p) for p in a["pad"]), a["mode"], a["value"]
     if not isinstance(x, ShardTensor):
         raise MissingShardPatch("torch.nn.functional.pad: the sharded tensor must be the input argument")
     placements = tuple(x._spec.placements)
-    if any(p.is_partial() for p in placements):
+    if is_partial(x):
         if mode in ("reflect", "replicate") or (mode == "constant" and not value):
             return delegate(func, types, args, kwargs)  # linear in x: the built-in pads each rank's term
         raise MissingShardPatch(
@@ -195,20 +212,15 @@ def sharded_pad(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Shar
             shape = list(local.shape)
             for d, (left, right) in unsharded.items():
                 shape[d] += left + right
-            local = _keep_graph(local.new_zeros(shape), local)
+            local = connected_zeros(local, shape)
         else:
             local = F.pad(local, flat, mode, value)
-    return from_local_like(local, x, sizes=new_sizes)
+    return from_local_like(local, x, sizes_by_tensor_dim=new_sizes)
 
-
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
 
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Replace PhysicsNeMo's F.pad patch (which refuses circular and mis-pads tiny boundary shards)."""
     patches.function(
         torch.nn.functional.pad,

@@ -1,4 +1,4 @@
-"""Pointwise activations computed on the local shard, with no communication.
+"""Pointwise activations and PReLU computed on the local shard, with no forward communication.
 
 PhysicsNeMo has no patch for activation functions, so each call on a
 ShardTensor goes through the DTensor fallback (conversion to DTensor and back,
@@ -11,7 +11,12 @@ Inputs with a ``Partial`` placement are summed first (redistributed to
 does): a nonlinear function of a partial sum is not the partial sum of the
 function. The output is then replicated over those mesh dims.
 
-Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
+``F.prelu`` is elementwise too, with a replicated weight: each rank applies it to
+its own block, and the weight's gradient, a partial sum over the shards, is summed
+over the mesh dims that shard the input in the backward pass only (DTensor has no
+sharding rule for ``aten._prelu_kernel_backward``, so the fallback's backward fails).
+
+Delegated (`delegate`, to the DTensor
 fallback: PhysicsNeMo has no activation handler): calls whose first argument is
 not a ShardTensor, and ``inplace=True`` of ``silu``/``elu``/``leaky_relu``/``mish``
 (checked on 2 ranks, uneven and empty shards, with the ``fallback_fix`` plugin: the
@@ -25,11 +30,24 @@ Refused (``MissingShardPatch``):
   for ``hardswish`` it is *wrong* (it applies the activation to each rank's term,
   keeping ``Partial``) and its backward fails (no rule for ``aten.hardswish_backward``);
 * ``inplace=True`` of ``hardswish`` on a sharded input: the fallback's forward is right
-  but its backward fails (DTensor has no sharding rule for ``aten.hardswish_backward``).
+  but its backward fails (DTensor has no sharding rule for ``aten.hardswish_backward``);
+* ``prelu`` of a ``Partial`` input, with a sharded weight, or of a plain input with a
+  ShardTensor weight (the fallback's forward is right but its backward fails: DTensor has
+  no rule for ``aten._prelu_kernel_backward``).
 
-Example (2 ranks)::
+Examples:
+    Rows split 5 + 2 on 2 ranks keep their split; the values are the single-process ones:
 
-    y = torch.nn.functional.gelu(x_shard)   # same placements and shard sizes as x_shard
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-2, 2, 42).reshape(1, 2, 7, 3)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [5, 2])
+    >>> y = F.gelu(x)
+    >>> tuple(y.to_local().shape) == [(1, 2, 5, 3), (1, 2, 2, 3)][rank], y.placements
+    (True, (Shard(dim=2),))
+    >>> torch.allclose(y.full_tensor(), F.gelu(full))
+    True
 """
 
 from __future__ import annotations
@@ -42,11 +60,21 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import delegate
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    bind_arguments,
+    delegate,
+    describe_target,
+    from_local_like,
+    is_partial,
+    replicated_local,
+    require_shard_input,
+    sharding_mesh_dims,
+    sum_grad_over,
+)
 
-__all__ = ["INPLACE_DELEGATED", "POINTWISE_ACTIVATIONS", "local_pointwise"]
+__all__ = ["INPLACE_DELEGATED", "POINTWISE_ACTIVATIONS", "local_pointwise", "prelu_local"]
 
 POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
     F.gelu,
@@ -71,18 +99,24 @@ POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
 INPLACE_DELEGATED: frozenset[Callable[..., Any]] = frozenset({F.silu, F.elu, F.leaky_relu, F.mish})
 
 
-def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def local_pointwise(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Apply an elementwise activation to the local shard and keep the input's sharding.
 
-    Example::
-
-        patches.function(torch.nn.functional.gelu, local_pointwise)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.linspace(-1, 1, 14).reshape(2, 7), mesh, [Shard(1)], [6, 1])
+        >>> y = local_pointwise(torch.tanh, (), (x,), {})
+        >>> torch.equal(y.to_local(), torch.tanh(x.to_local())), y.to_local().shape[1] == [6, 1][rank]
+        (True, True)
     """
     tensor, *rest = args
     if not isinstance(tensor, ShardTensor):
         # Only reachable when a ShardTensor hides in another argument.
         return delegate(func, types, args, kwargs)
-    partial = any(placement.is_partial() for placement in tensor._spec.placements)
+    partial = is_partial(tensor)
     if kwargs.get("inplace") or any(arg is True for arg in rest):
         if partial:
             raise MissingShardPatch(
@@ -102,6 +136,7 @@ def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
         placements = [Replicate() if p.is_partial() else p for p in tensor._spec.placements]
         tensor = tensor.redistribute(tensor._spec.mesh, placements)
     local_output = func(tensor.to_local(), *rest, **kwargs)
+    # Not from_local_like: it refuses one tensor dim sharded over several mesh dims, which this keeps.
     return ShardTensor.from_local(
         local_output,
         tensor._spec.mesh,
@@ -110,18 +145,58 @@ def local_pointwise(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
     )
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor spec API."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
+def _prelu(input: Any, weight: Any) -> None:
+    """Mirror of ``F.prelu``'s parameters (a C builtin without an introspectable signature)."""
 
 
-@hookimpl
-def shardext_declare_patches(patches: Any) -> None:
-    """Declare the local pointwise handler for every supported activation."""
-    for activation in POINTWISE_ACTIVATIONS:
-        patches.function(
-            activation,
-            local_pointwise,
-            description=f"{describe_target(activation)} on the local shard (no communication)",
+def prelu_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
+    """``F.prelu(x, weight)`` on the local block; the weight gradient is summed over the shards.
+
+    Examples:
+        >>> import torch.nn.functional as F
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.linspace(-3, 3, 14).reshape(1, 2, 7)
+        >>> w = torch.tensor([0.25, 0.5], requires_grad=True)
+        >>> y = prelu_local(F.prelu, (), (shard_tensor(full, mesh, [Shard(2)], [5, 2]), w), {})
+        >>> torch.allclose(y.full_tensor(), F.prelu(full, w))
+        True
+        >>> y.to_local().sum().backward()          # each rank's part of the gradient, summed
+        >>> torch.allclose(w.grad, torch.where(full < 0, full, 0).sum(dim=(0, 2)))
+        True
+    """
+    bound = bind_arguments(_prelu, args, kwargs)
+    x, weight = bound["input"], bound["weight"]
+    name = describe_target(func)
+    if not isinstance(x, ShardTensor):
+        raise MissingShardPatch(
+            f"{name}: the input must be the ShardTensor (weight {type(weight).__name__}; the DTensor fallback's "
+            "backward fails: no rule for aten._prelu_kernel_backward)"
         )
+    require_shard_input(
+        func, x,
+        why_partial="the DTensor fallback sums it right in the forward, but its backward fails: no rule for "
+        "aten._prelu_kernel_backward",
+    )
+    w = sum_grad_over(replicated_local(weight, f"{name}: weight"), x._spec.mesh, sharding_mesh_dims(x))
+    return from_local_like(F.prelu(x.to_local(), w), x)
+
+
+#: The handler of every target this family declares, with its description.
+_HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
+    **{
+        activation: (local_pointwise, f"{describe_target(activation)} on the local shard (no communication)")
+        for activation in POINTWISE_ACTIVATIONS
+    },
+    F.prelu: (prelu_local, "prelu on the local block; weight gradient all-reduced over the shards"),
+}
+
+
+
+@hookimpl
+def shardext_declare_patches(patches: PatchSet) -> None:
+    """Declare the local pointwise handler for every supported activation, and prelu."""
+    for target, (handler, description) in _HANDLERS.items():
+        patches.function(target, handler, description=description)

@@ -8,7 +8,7 @@ takes the DTensor fallback (whose backward is broken on torch 2.14).
 Here every output row along a sharded spatial dimension is computed by the rank
 that owns the *start* of its window (window starts left of the tensor count as
 row 0). That rank fetches the few rows its last windows reach past its shard
-(:func:`~physicsnemo_shardext.primitives.gather_global_indices`, only the
+(`gather_global_indices`, only the
 overlap moves), pads the global boundary itself and runs the local op with no
 padding. Output shards are therefore as uneven as the windows fall out:
 coordinate ``c`` holds the output rows whose window starts in its input rows.
@@ -22,7 +22,7 @@ Max-pool indices (``return_indices=True``) are *global* flat indices over the
 input's spatial dims, as in a single-process run; ties resolve to the first
 element in row-major order, as in PyTorch.
 
-Delegated (:func:`~physicsnemo_shardext.primitives.delegate`: the built-in where
+Delegated (`delegate`: the built-in where
 PhysicsNeMo has one, else the DTensor fallback), checked on 2 ranks against
 single-process, values and gradients:
 
@@ -41,10 +41,25 @@ sharding rule for their backward ops); a spatial dim sharded over two mesh dims
 rejects its local shape, checked on a 2x2 mesh). Limitation: NaNs in a global (output size 1) adaptive max over a
 sharded dim are not propagated like PyTorch does (see docs/patches/pooling.md).
 
-Example (2 ranks, height 17 split 10/7)::
+Examples:
+    On 2 ranks (``mesh``, ``rank``), height 17 split 10/7:
 
-    y = torch.nn.functional.max_pool2d(x, 3, stride=2, padding=1)   # 9 rows split 6/3 (windows start at -1,1..9 / 11,13,15)
-    g = torch.nn.functional.adaptive_avg_pool2d(x, 1)               # Replicate on the mesh, shape (N, C, 1, 1)
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Replicate, Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 2 * 17 * 4).reshape(1, 2, 17, 4)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+    >>> y = F.max_pool2d(x, 3, stride=2, padding=1)   # windows start at -1, 1, .., 9 / 11, 13, 15
+    >>> tuple(y.to_local().shape) == [(1, 2, 6, 2), (1, 2, 3, 2)][rank]
+    True
+    >>> torch.equal(y.full_tensor(), F.max_pool2d(full, 3, stride=2, padding=1))
+    True
+    >>> g = F.adaptive_avg_pool2d(x, 1)                # global pooling: Replicate on the mesh
+    >>> tuple(g.placements) == (Replicate(),), tuple(g.to_local().shape)
+    (True, (1, 2, 1, 1))
+    >>> torch.allclose(g.to_local(), full.mean((2, 3), keepdim=True), atol=1e-6)
+    True
 """
 
 from __future__ import annotations
@@ -60,76 +75,27 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    bind_arguments,
+    connected_zeros,
+    delegate,
+    describe_target,
+    expand_to,
+    from_local_like,
+    gather_global_indices,
+    is_partial,
+    require_shard_input,
+    sharded_dims,
+    split_rows_by_owner,
+    sum_to_replicated,
+)
 
-__all__ = [
-    "adaptive_pool_handler",
-    "bind_arguments",
-    "connected_zeros",
-    "pool_handler",
-    "split_rows_by_owner",
-]
+__all__ = ["adaptive_pool_handler", "pool_handler"]
 
 _INDEX_NONE = torch.iinfo(torch.int64).max  # "no candidate" in the global max tie-break
-
-
-# -- helpers shared with the resampling family ----------------------------------------------------
-def bind_arguments(name: str, signature: Sequence[tuple[str, Any]], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Map positional/keyword arguments onto ``signature`` (ordered ``(name, default)`` pairs).
-
-    >>> bind_arguments("f", [("input", None), ("k", None), ("s", 1)], (1, 2), {"s": 3})
-    {'input': 1, 'k': 2, 's': 3}
-    """
-    values = dict(signature)
-    if len(args) > len(values):
-        raise TypeError(f"{name}() takes {len(values)} positional arguments but {len(args)} were given")
-    for key, value in zip(values, args):
-        values[key] = value
-    for key, value in kwargs.items():
-        if key not in values:
-            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
-        values[key] = value
-    return values
-
-
-def split_rows_by_owner(layout: DimLayout, anchors: Sequence[int]) -> list[tuple[int, int]]:
-    """Output rows per coordinate: row ``j`` goes to the owner of input row ``anchors[j]`` (non-decreasing).
-
-    >>> split_rows_by_owner(DimLayout(0, 0, (3, 0, 2), 0, None), [0, 2, 2, 4])
-    [(0, 3), (3, 3), (3, 4)]
-    """
-    counts = [0] * layout.parts
-    for anchor in anchors:
-        counts[layout.owner_of(anchor)] += 1
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append((start, start + count))
-        start += count
-    return ranges
-
-
-def connected_zeros(source: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Zeros of ``shape`` that stay in ``source``'s autograd graph.
-
-    A rank whose share of the output is empty must still reach the exchanges of
-    the backward pass (they are collectives), so its empty output hangs off the input.
-    """
-    return source.reshape(-1)[:0].sum() + source.new_zeros(tuple(shape))
-
-
-def refuse_partial(x: ShardTensor, op: str, why: str = "") -> None:
-    """Raise ``MissingShardPatch`` for inputs with a ``Partial`` placement (``why``: the measured reason)."""
-    if any(p.is_partial() for p in x._spec.placements):
-        reason = f" ({why})" if why else ""
-        raise MissingShardPatch(
-            f"{op}: input has a Partial placement {tuple(x._spec.placements)}; redistribute first{reason}"
-        )
-
-
-def _is_partial(x: ShardTensor) -> bool:
-    return any(p.is_partial() for p in x._spec.placements)
 
 
 _BACKWARD_FAILS = "the DTensor fallback's backward fails: no sharding rule for its backward op"
@@ -145,42 +111,24 @@ _PARTIAL_REFUSED: dict[Callable, str] = {
 }
 
 
-def _partial_delegated(func: Callable, x: ShardTensor, op: str) -> bool:
+def _partial_delegated(func: Callable[..., Any], x: ShardTensor) -> bool:
     """Whether a Partial input goes to the delegate (True), else refuse it with the measured reason."""
-    if not _is_partial(x):
+    if not is_partial(x):
         return False
     if func in _PARTIAL_REFUSED:
-        refuse_partial(x, op, _PARTIAL_REFUSED[func])
+        require_shard_input(func, x, _PARTIAL_REFUSED[func])
     return True
 
 
 def _builtin_refuses_stride(a: dict[str, Any]) -> bool:
     """Whether PhysicsNeMo's avg-pool built-in refuses these arguments (it needs ``stride == kernel_size``).
 
-    >>> _builtin_refuses_stride({"kernel_size": 2, "stride": None}), _builtin_refuses_stride({"kernel_size": 3, "stride": 1})
-    (False, True)
+    Examples:
+        >>> _builtin_refuses_stride({"kernel_size": 2, "stride": None}), _builtin_refuses_stride({"kernel_size": 3, "stride": 1})
+        (False, True)
     """
     stride = a["stride"] if a["stride"] is not None else a["kernel_size"]
     return stride != a["kernel_size"]
-
-
-def _tuple(value: Any, n: int, what: str, op: str) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * n
-    value = tuple(value)
-    if len(value) == 1:
-        return value * n
-    if len(value) != n:
-        raise ValueError(f"{op}: {what} must have {n} elements, got {value}")
-    return value
-
-
-def _pool_output_length(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
-    """PyTorch's pooling_output_shape."""
-    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
-    if ceil_mode and (out - 1) * s >= size + p:
-        out -= 1
-    return out
 
 
 # -- windows along one spatial dimension ----------------------------------------------------------
@@ -215,15 +163,29 @@ def _fetch(local: torch.Tensor, axes: Sequence[_Axis], windows: Callable[[_Axis,
 
 
 # -- max / avg pooling ------------------------------------------------------------------------------
-_MAX_SIGNATURE = [
-    ("input", None), ("kernel_size", None), ("stride", None), ("padding", 0), ("dilation", 1),
-    ("ceil_mode", False), ("return_indices", False),
-]
-_AVG1D_SIGNATURE = [
-    ("input", None), ("kernel_size", None), ("stride", None), ("padding", 0), ("ceil_mode", False),
-    ("count_include_pad", True),
-]
-_AVG_SIGNATURE = _AVG1D_SIGNATURE + [("divisor_override", None)]
+# Mirrors of the pools' parameters (most are C builtins or boolean dispatchers without a usable signature).
+def _max_pool(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+              ceil_mode: bool = False, return_indices: bool = False) -> None:
+    """The parameters of ``F.max_pool{1,2,3}d`` (and ``_with_indices``)."""
+
+
+def _avg_pool1d(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                count_include_pad: bool = True) -> None:
+    """The parameters of ``F.avg_pool1d``."""
+
+
+def _avg_pool(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+              count_include_pad: bool = True, divisor_override: int | None = None) -> None:
+    """The parameters of ``F.avg_pool2d/3d``."""
+
+
+def _adaptive_avg_pool(input: Any, output_size: Any) -> None:
+    """The parameters of ``F.adaptive_avg_pool{1,2,3}d``."""
+
+
+def _adaptive_max_pool(input: Any, output_size: Any, return_indices: bool = False) -> None:
+    """The parameters of ``F.adaptive_max_pool{1,2,3}d`` (and ``_with_indices``)."""
+
 
 _MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3}
 _MAX_POOLS_WITH_INDICES = {F.max_pool1d_with_indices: 1, F.max_pool2d_with_indices: 2, F.max_pool3d_with_indices: 3}
@@ -277,24 +239,24 @@ def _can_delegate(x: ShardTensor, cfg: _PoolConfig, spatial: dict[int, DimLayout
     )
 
 
-def pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def pool_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Max/avg pooling (1-3 d) of a ShardTensor with any kernel/stride/padding on uneven shards.
 
-    Example::
-
-        patches.function(torch.nn.functional.max_pool2d, pool_handler, override=True)
+    Declared for every max/avg pool with ``patches.function(target, pool_handler, override=True)``
+    (the ``_with_indices`` variants without ``override``: PhysicsNeMo has no built-in for them).
     """
     op = describe_target(func)
     is_max = func in _MAX_POOLS or func in _MAX_POOLS_WITH_INDICES
     n = {**_MAX_POOLS, **_MAX_POOLS_WITH_INDICES, **_AVG_POOLS}[func]
-    signature = _MAX_SIGNATURE if is_max else (_AVG1D_SIGNATURE if n == 1 else _AVG_SIGNATURE)
-    a = bind_arguments(op, signature, args, kwargs)
+    a = bind_arguments(_max_pool if is_max else (_avg_pool1d if n == 1 else _avg_pool), args, kwargs)
     x = a["input"]
-    if isinstance(x, ShardTensor) and not is_max and _is_partial(x) and _builtin_refuses_stride(a):
+    if isinstance(x, ShardTensor) and not is_max and is_partial(x) and _builtin_refuses_stride(a):
         # An average is linear, so the pool of each rank's term is a term of the pooled sum. The
         # built-in does exactly that, but only for stride == kernel_size; other strides run here.
         return from_local_like(func(x.to_local(), **{k: v for k, v in a.items() if k != "input"}), x)
-    if not isinstance(x, ShardTensor) or _partial_delegated(func, x, op):
+    if not isinstance(x, ShardTensor) or _partial_delegated(func, x):
         return delegate(func, types, args, kwargs)  # checked on 2 ranks (see the module docstring)
     return_indices = is_max and (func in _MAX_POOLS_WITH_INDICES or bool(a["return_indices"]))
     stride = a["stride"]
@@ -302,10 +264,10 @@ def pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any
         stride = a["kernel_size"]
     cfg = _PoolConfig(
         n=n,
-        kernel=_tuple(a["kernel_size"], n, "kernel_size", op),
-        stride=_tuple(stride, n, "stride", op),
-        padding=_tuple(a["padding"], n, "padding", op),
-        dilation=_tuple(a["dilation"], n, "dilation", op) if is_max else (1,) * n,
+        kernel=expand_to(a["kernel_size"], n, what="kernel_size", op=op),
+        stride=expand_to(stride, n, what="stride", op=op),
+        padding=expand_to(a["padding"], n, what="padding", op=op),
+        dilation=expand_to(a["dilation"], n, what="dilation", op=op) if is_max else (1,) * n,
         ceil_mode=bool(a["ceil_mode"]),
     )
     # Let PyTorch validate the arguments (and give the global output shape) on a meta tensor.
@@ -370,9 +332,9 @@ def pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any
         else:
             values = _sum_pool(padded, cfg.kernel, cfg.stride) / _avg_divisor(x, cfg, axes, a, win)
     sizes = {ax.dim: ax.out_sizes for ax in axes if ax.out_sizes is not None}
-    result = from_local_like(values, x, sizes=sizes)
+    result = from_local_like(values, x, sizes_by_tensor_dim=sizes)
     if return_indices:
-        return result, from_local_like(indices, x, sizes=sizes)
+        return result, from_local_like(indices, x, sizes_by_tensor_dim=sizes)
     return result
 
 
@@ -416,20 +378,6 @@ def _adaptive_end(i: int, size: int, out: int) -> int:
     return -((-(i + 1) * size) // out)
 
 
-class _SumToReplicate(torch.autograd.Function):
-    """All-reduce SUM whose result is Replicate: each addend's gradient is the (replicated) cotangent."""
-
-    @staticmethod
-    def forward(ctx: Any, addend: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        total = addend.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 @dataclass(frozen=True)
 class _AdaptiveAxis:
     """One spatial dim of an adaptive pool on this rank."""
@@ -439,20 +387,18 @@ class _AdaptiveAxis:
     is_global: bool  # sharded with output size 1: reduce locally, then all-reduce
 
 
-def adaptive_pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def adaptive_pool_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Adaptive avg/max pooling (1-3 d) of a ShardTensor on uneven shards.
 
-    Example::
-
-        patches.function(torch.nn.functional.adaptive_avg_pool2d, adaptive_pool_handler)
+    Declared for every adaptive pool with ``patches.function(target, adaptive_pool_handler)``.
     """
-    op = describe_target(func)
     is_max = func in _ADAPTIVE_MAX or func in _ADAPTIVE_MAX_WITH_INDICES
     n = {**_ADAPTIVE_AVG, **_ADAPTIVE_MAX, **_ADAPTIVE_MAX_WITH_INDICES}[func]
-    signature = [("input", None), ("output_size", None)] + ([("return_indices", False)] if is_max else [])
-    a = bind_arguments(op, signature, args, kwargs)
+    a = bind_arguments(_adaptive_max_pool if is_max else _adaptive_avg_pool, args, kwargs)
     x = a["input"]
-    if not isinstance(x, ShardTensor) or _partial_delegated(func, x, op):
+    if not isinstance(x, ShardTensor) or _partial_delegated(func, x):
         return delegate(func, types, args, kwargs)  # checked on 2 ranks (see the module docstring)
     return_indices = is_max and (func in _ADAPTIVE_MAX_WITH_INDICES or bool(a["return_indices"]))
     meta_kwargs = {k: v for k, v in a.items() if k != "input"}
@@ -542,30 +488,31 @@ def adaptive_pool_handler(func: Callable, types: tuple, args: tuple, kwargs: dic
         if not ad.is_global:
             continue
         layout = spatial[ad.axis.dim]
-        group = layout.group
         if is_max:
-            values, indices = _global_max(values, indices, group)
+            values, indices = _global_max(values, indices, layout)
         else:
-            values = _SumToReplicate.apply(values, group)
+            values = sum_to_replicated(values, layout.mesh, [layout.mesh_dim])
         placements[layout.mesh_dim] = Replicate()
     if not is_max:
         values = values / _adaptive_divisor(x, dims, values)
     sizes = {ad.axis.dim: ad.axis.out_sizes for ad in dims if ad.axis.out_sizes is not None}
-    result = from_local_like(values, x, sizes=sizes, placements=placements)
+    result = from_local_like(values, x, sizes_by_tensor_dim=sizes, placements=placements)
     if return_indices:
-        return result, from_local_like(indices, x, sizes=sizes, placements=placements)
+        return result, from_local_like(indices, x, sizes_by_tensor_dim=sizes, placements=placements)
     return result
 
 
-def _global_max(values: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Max over the ranks of ``group``; ties go to the smallest global flat index (PyTorch's first max)."""
+def _global_max(values: torch.Tensor, indices: torch.Tensor, layout: DimLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max over the ranks along ``layout``'s mesh dim; ties go to the smallest global flat index (PyTorch's first max)."""
+    group = layout.group
     best = values.detach().clone()
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
     candidate = torch.where(values.detach() == best, indices, torch.full_like(indices, _INDEX_NONE))
     dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
     mine = (indices == candidate) & (values.detach() == best)
     # Only the winner contributes, so the gradient reaches exactly one element.
-    return _SumToReplicate.apply(torch.where(mine, values, torch.zeros_like(values)), group), candidate
+    winner = torch.where(mine, values, torch.zeros_like(values))
+    return sum_to_replicated(winner, layout.mesh, [layout.mesh_dim]), candidate
 
 
 def _adaptive_divisor(x: ShardTensor, dims: Sequence[_AdaptiveAxis], like: torch.Tensor) -> torch.Tensor:
@@ -587,13 +534,7 @@ def _adaptive_divisor(x: ShardTensor, dims: Sequence[_AdaptiveAxis], like: torch
 
 # -- plugin hooks --------------------------------------------------------------------------------------
 @hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
-
-@hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the pooling handlers (overriding PhysicsNeMo's max/avg pooling built-ins)."""
     for target in (*_MAX_POOLS, *_AVG_POOLS):
         patches.function(

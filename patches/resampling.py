@@ -10,7 +10,7 @@ wrong with ``align_corners=True`` and crashes with ``size=``.
   channels; otherwise it is refused.
 * ``pixel_unshuffle(r)``: every ``r`` consecutive rows form one output row. Shards
   whose sizes are multiples of ``r`` stay local; otherwise group ``g`` moves to the
-  owner of its first row (:func:`~physicsnemo_shardext.primitives.gather_global_indices`,
+  owner of its first row (`gather_global_indices`,
   fewer than ``r`` rows per boundary), and output shards hold the groups they own.
 * ``interpolate`` with modes ``nearest``, ``nearest-exact``, ``linear``,
   ``bilinear``, ``trilinear``, ``bicubic`` (``align_corners`` either way, ``size=`` or
@@ -22,7 +22,7 @@ wrong with ``align_corners=True`` and crashes with ``size=``.
   Unsharded dims are resized by ``F.interpolate`` on the local block. ``area`` is
   adaptive average pooling and goes through ``F.adaptive_avg_pool{1,2,3}d``.
 
-Delegated (:func:`~physicsnemo_shardext.primitives.delegate`), checked on 2 ranks
+Delegated (`delegate`), checked on 2 ranks
 against single-process, values and gradients: ``Partial`` inputs of ``interpolate``
 (the built-in resizes each rank's term: interpolation is linear) and of
 ``pixel_shuffle`` / ``pixel_unshuffle`` (the DTensor fallback keeps the
@@ -46,10 +46,27 @@ Refused (``MissingShardPatch``), each checked against the delegate on 2 ranks:
   shards (collective size mismatch), and for ``bicubic`` is wrong on uneven shards
   (9 rows split 5/4, ``scale_factor=1.1``: off by 0.47).
 
-Example (2 ranks, height 17 split 10/7)::
+Examples:
+    On 2 ranks (``mesh``, ``rank``), height 17 split 10/7 (and 16 split 10/6):
 
-    y = F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True)   # height 25 split 15/10
-    z = F.pixel_unshuffle(x[..., :16, :], 2)                                    # groups split 5/3
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 17 * 4).reshape(1, 1, 17, 4)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+    >>> y = F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True)   # height 25
+    >>> tuple(y.to_local().shape) == [(1, 1, 15, 6), (1, 1, 10, 6)][rank]
+    True
+    >>> expected = F.interpolate(full, scale_factor=1.5, mode="bilinear", align_corners=True)
+    >>> torch.allclose(y.full_tensor(), expected, atol=1e-6)
+    True
+    >>> rows = torch.arange(16 * 4, dtype=torch.float32).reshape(1, 1, 16, 4)
+    >>> z = F.pixel_unshuffle(shard_tensor(rows, mesh, [Shard(2)], [10, 6]), 2)    # groups split 5/3
+    >>> tuple(z.to_local().shape) == [(1, 4, 5, 2), (1, 4, 3, 2)][rank]
+    True
+    >>> torch.equal(z.full_tensor(), F.pixel_unshuffle(rows, 2))
+    True
 """
 
 from __future__ import annotations
@@ -62,26 +79,47 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 import physicsnemo_shardext
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.patches.pooling import bind_arguments, connected_zeros, refuse_partial, split_rows_by_owner
-from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    bind_arguments,
+    connected_zeros,
+    delegate,
+    describe_target,
+    expand_to,
+    from_local_like,
+    gather_global_indices,
+    is_partial,
+    require_shard_input,
+    sharded_dims,
+    split_rows_by_owner,
+)
 
 __all__ = ["interpolate_handler", "pixel_shuffle_handler", "pixel_unshuffle_handler", "source_rows"]
 
 
 # -- pixel shuffle -------------------------------------------------------------------------------------
-def pixel_shuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+# Mirrors of the C builtins' parameters (no introspectable signature).
+def _pixel_shuffle(input: Any, upscale_factor: int) -> None:
+    """The parameters of ``F.pixel_shuffle``."""
+
+
+def _pixel_unshuffle(input: Any, downscale_factor: int) -> None:
+    """The parameters of ``F.pixel_unshuffle``."""
+
+
+def pixel_shuffle_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``pixel_shuffle`` on uneven shards: local for sharded rows/batch; channel shards need whole groups.
 
-    Example::
-
-        patches.function(torch.nn.functional.pixel_shuffle, pixel_shuffle_handler)
+    Declared with ``patches.function(torch.nn.functional.pixel_shuffle, pixel_shuffle_handler)``.
     """
     op = describe_target(func)
-    a = bind_arguments(op, [("input", None), ("upscale_factor", None)], args, kwargs)
+    a = bind_arguments(_pixel_shuffle, args, kwargs)
     x, r = a["input"], int(a["upscale_factor"])
-    if any(p.is_partial() for p in x._spec.placements):
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
     func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)  # PyTorch's own argument checks
     channel = x.ndim - 3
@@ -102,21 +140,20 @@ def pixel_shuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: dic
         shape[channel] //= r * r
         shape[-2] *= r
         shape[-1] *= r
-        return from_local_like(connected_zeros(local, shape), x, sizes=sizes)
-    return from_local_like(func(local, r), x, sizes=sizes)
+        return from_local_like(connected_zeros(local, shape), x, sizes_by_tensor_dim=sizes)
+    return from_local_like(func(local, r), x, sizes_by_tensor_dim=sizes)
 
 
-def pixel_unshuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def pixel_unshuffle_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``pixel_unshuffle`` on uneven shards: rows regrouped so that each rank holds whole groups of ``r``.
 
-    Example::
-
-        patches.function(torch.nn.functional.pixel_unshuffle, pixel_unshuffle_handler)
+    Declared with ``patches.function(torch.nn.functional.pixel_unshuffle, pixel_unshuffle_handler)``.
     """
-    op = describe_target(func)
-    a = bind_arguments(op, [("input", None), ("downscale_factor", None)], args, kwargs)
+    a = bind_arguments(_pixel_unshuffle, args, kwargs)
     x, r = a["input"], int(a["downscale_factor"])
-    if any(p.is_partial() for p in x._spec.placements):
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
     func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)
     channel = x.ndim - 3
@@ -136,15 +173,11 @@ def pixel_unshuffle_handler(func: Callable, types: tuple, args: tuple, kwargs: d
         shape[channel] *= r * r
         shape[-2] //= r
         shape[-1] //= r
-        return from_local_like(connected_zeros(local, shape), x, sizes=sizes)
-    return from_local_like(func(local, r), x, sizes=sizes)
+        return from_local_like(connected_zeros(local, shape), x, sizes_by_tensor_dim=sizes)
+    return from_local_like(func(local, r), x, sizes_by_tensor_dim=sizes)
 
 
 # -- interpolate ---------------------------------------------------------------------------------------
-_SIGNATURE = [
-    ("input", None), ("size", None), ("scale_factor", None), ("mode", "nearest"), ("align_corners", None),
-    ("recompute_scale_factor", None), ("antialias", False),
-]
 _LINEAR = {"linear", "bilinear", "trilinear"}
 _NEAREST = {"nearest", "nearest-exact"}
 
@@ -180,8 +213,9 @@ def source_rows(
     ``scale_factor`` for this dim (``None`` when the size was given or recomputed);
     ``spatial_dims`` is the number of resized dims of the call (nearest kernels differ by it).
 
-    >>> [t.tolist() for t in source_rows("linear", 3, 5, None, True, torch.float64)]
-    [[0, 0, 1, 1, 2], [1, 1, 2, 2, 2], [1.0, 0.5, 1.0, 0.5, 1.0], [0.0, 0.5, 0.0, 0.5, 0.0]]
+    Examples:
+        >>> [t.tolist() for t in source_rows("linear", 3, 5, None, True, torch.float64)]
+        [[0, 0, 1, 1, 2], [1, 1, 2, 2, 2], [1.0, 0.5, 1.0, 0.5, 1.0], [0.0, 0.5, 0.0, 0.5, 0.0]]
     """
     j = torch.arange(out_size, dtype=torch.int64)
     if mode in _NEAREST:
@@ -209,9 +243,10 @@ def cubic_source_rows(
 
     Returns ``(rows, weights)`` of shape ``(out_size, 4)``; output row ``j`` is ``sum_k x[rows[j, k]] * weights[j, k]``.
 
-    >>> rows, weights = cubic_source_rows(4, 4, None, False, torch.float64)
-    >>> rows[1].tolist(), weights[1].tolist()
-    ([0, 1, 2, 3], [0.0, 1.0, 0.0, 0.0])
+    Examples:
+        >>> rows, weights = cubic_source_rows(4, 4, None, False, torch.float64)
+        >>> rows[1].tolist(), weights[1].tolist()
+        ([0, 1, 2, 3], [0.0, 1.0, 0.0, 0.0])
     """
     op = _opmath(dtype)
     j = torch.arange(out_size, dtype=op)
@@ -286,27 +321,19 @@ def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: i
     return out, [b - a for a, b in ranges]
 
 
-def _expand(value: Any, n: int) -> list[Any]:
-    if value is None:
-        return [None] * n
-    if isinstance(value, (list, tuple)):
-        return list(value) if len(value) == n else list(value) * n
-    return [value] * n
-
-
-def interpolate_handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def interpolate_handler(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``F.interpolate`` on uneven shards with globally computed source coordinates.
 
-    Example::
-
-        patches.function(torch.nn.functional.interpolate, interpolate_handler, override=True)
+    Declared with ``patches.function(torch.nn.functional.interpolate, interpolate_handler, override=True)``.
     """
     op = describe_target(func)
-    a = bind_arguments(op, _SIGNATURE, args, kwargs)
+    a = bind_arguments(F.interpolate, args, kwargs)
     x, mode = a["input"], a["mode"]
-    if isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements):
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # interpolation is linear: the built-in resizes each term
-    refuse_partial(x, op)
+    require_shard_input(func, x)
     meta_kwargs = {k: v for k, v in a.items() if k != "input"}
     out_shape = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs).shape  # PyTorch's checks
     n = x.ndim - 2
@@ -330,7 +357,8 @@ def interpolate_handler(func: Callable, types: tuple, args: tuple, kwargs: dict)
             "(supported: nearest, nearest-exact, linear, bilinear, trilinear, bicubic, area)"
         )
     use_scale = a["scale_factor"] is not None and not a["recompute_scale_factor"]
-    scales = _expand(a["scale_factor"], n) if use_scale else [None] * n
+    # PyTorch's checks above leave a scalar or one scale per resized dim.
+    scales = expand_to(a["scale_factor"] if use_scale else None, n, what="scale_factor", op=op)
     align = bool(a["align_corners"]) if mode in _LINEAR | {"bicubic"} else False
 
     local = x.to_local()
@@ -352,18 +380,12 @@ def interpolate_handler(func: Callable, types: tuple, args: tuple, kwargs: dict)
             else:
                 local_kwargs["size"] = [local.shape[d] if d in spatial else out_shape[d] for d in range(2, x.ndim)]
             local = func(local, **local_kwargs)
-    return from_local_like(local, x, sizes=sizes)
+    return from_local_like(local, x, sizes_by_tensor_dim=sizes)
 
 
 # -- plugin hooks --------------------------------------------------------------------------------------
 @hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
-
-@hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare pixel (un)shuffle and interpolate (overriding PhysicsNeMo's interpolate)."""
     patches.function(F.pixel_shuffle, pixel_shuffle_handler, description="pixel_shuffle: local on row/batch shards")
     patches.function(

@@ -3,7 +3,7 @@
 Without these patches the calls go through the DTensor fallback (an all-gather
 of the activation; its backward fails on torch 2.14). Both ops are
 permutations of the rows of each dim, so each rank names the global rows its
-output needs and :func:`~physicsnemo_shardext.primitives.gather_global_indices`
+output needs and `gather_global_indices`
 fetches them: rows that stay on their rank are copied locally, the others move
 in one ``all_to_all_single`` per sharded dim (none when no row changes rank).
 The output keeps the input's placements **and its exact, possibly uneven,
@@ -25,10 +25,20 @@ itself cannot build such a ShardTensor, ``ShardTensor.from_dtensor`` raises,
 measured on a 2x2 mesh); non-int dims (the fallback fails too: torch itself
 raises ``TypeError`` for them).
 
-Example (2 ranks, ``x`` of height 7 sharded ``Shard(0)`` 5/2)::
+Examples:
+    On 2 ranks, ``x`` of height 7 sharded ``Shard(0)`` 5/2; the outputs keep that split:
 
-    y = torch.flip(x, [0])   # Shard(0), sizes 5/2; each rank sends 2 rows (rows 2..4 stay on rank 0)
-    z = x.roll(3, 0)         # Shard(0), sizes 5/2
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.arange(14.0).reshape(7, 2)
+    >>> x = shard_tensor(full, mesh, [Shard(0)], [5, 2])
+    >>> y = torch.flip(x, [0])   # each rank sends 2 rows (rows 2..4 stay on rank 0)
+    >>> tuple(y.to_local().shape) == [(5, 2), (2, 2)][rank], y.placements
+    (True, (Shard(dim=0),))
+    >>> torch.equal(y.full_tensor(), torch.flip(full, [0]))
+    True
+    >>> torch.equal(x.roll(3, 0).full_tensor(), full.roll(3, 0))
+    True
 """
 
 from __future__ import annotations
@@ -37,24 +47,41 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from physicsnemo.domain_parallel import ShardTensor
 
-from physicsnemo_shardext import hookimpl
-from physicsnemo_shardext.primitives import DimLayout, delegate, from_local_like, gather_global_indices, sharded_dims
-from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    bind_arguments,
+    delegate,
+    describe_target,
+    from_local_like,
+    gather_global_indices,
+    is_partial,
+    normalize_dim,
+    require_shard_input,
+    sharded_dims,
+)
 
 __all__ = ["FLIP_TARGETS", "ROLL_TARGETS", "sharded_flip", "sharded_roll"]
 
 
-def _as_tuple(value: Any) -> tuple:
-    if isinstance(value, torch.Size):
-        return tuple(value)
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    """A scalar as a 1-tuple, a sequence (``torch.Size`` included) as a tuple of its own length.
+
+    Not `expand_to`: the length comes from the
+    argument itself, and a ``shifts``/``dims`` length mismatch must reach torch's own
+    "shifts and dimensions must align" error instead of being broadcast.
+
+    Examples:
+        >>> _as_tuple(2), _as_tuple(torch.Size([0, 1]))
+        ((2,), (0, 1))
+    """
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _is_partial(x: Any) -> bool:
-    return isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements)
+def _roll(input: Any, shifts: Any, dims: Any = None) -> None:
+    """Mirror of ``torch.roll``/``Tensor.roll`` (a C builtin) for ``bind_arguments``."""
 
 
 def _permute_rows(local: torch.Tensor, layout: DimLayout, source_of: Callable[[int], int]) -> torch.Tensor:
@@ -67,25 +94,27 @@ def _permute_rows(local: torch.Tensor, layout: DimLayout, source_of: Callable[[i
     return gather_global_indices(local, layout, wanted_by)
 
 
-ROLL_TARGETS: tuple[Callable, ...] = (torch.roll, torch.Tensor.roll)
+ROLL_TARGETS: tuple[Callable[..., Any], ...] = (torch.roll, torch.Tensor.roll)
 
 
-def sharded_roll(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_roll(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """torch.roll of a ShardTensor; sharded dims exchange only the rows that change rank.
 
-    Example::
+    Examples:
+        A shift along two dims, one of them sharded 1/2 on 2 ranks:
 
-        patches.function(torch.roll, sharded_roll)
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(6.0).reshape(3, 2)
+        >>> z = torch.roll(shard_tensor(full, mesh, [Shard(0)], [1, 2]), shifts=(-1, 1), dims=(0, 1))
+        >>> torch.equal(z.full_tensor(), torch.roll(full, (-1, 1), (0, 1)))
+        True
     """
-    kwargs = dict(kwargs)
-    if not args:
-        raise TypeError(f"{describe_target(func)}: missing the input tensor")
-    x, rest = args[0], list(args[1:])
-    shifts = rest.pop(0) if rest else kwargs.pop("shifts")
-    dims = rest.pop(0) if rest else kwargs.pop("dims", None)
-    if rest or kwargs:
-        raise TypeError(f"{describe_target(func)}: unexpected arguments {rest or sorted(kwargs)}")
-    if _is_partial(x):
+    bound = bind_arguments(_roll, args, kwargs)
+    x, shifts, dims = bound["input"], bound["shifts"], bound["dims"]
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # a permutation of a pending sum: the fallback is right
     x = require_shard_input(func, x)
     layouts = sharded_dims(x)
@@ -117,7 +146,7 @@ def sharded_roll(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     return from_local_like(local, x)
 
 
-FLIP_TARGETS: dict[Callable, tuple[int, ...] | None] = {
+FLIP_TARGETS: dict[Callable[..., Any], tuple[int, ...] | None] = {
     # target -> fixed dims (None: taken from the arguments)
     torch.flip: None,
     torch.Tensor.flip: None,
@@ -128,7 +157,9 @@ FLIP_TARGETS: dict[Callable, tuple[int, ...] | None] = {
 }
 
 
-def _flip_dims(func: Callable, args: Sequence[Any], kwargs: dict) -> tuple:
+def _flip_dims(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The dims of a flip call in any of its spellings; ``Tensor.flip(*dims)`` is varargs,
+    which no single signature (hence ``bind_arguments``) describes."""
     fixed = FLIP_TARGETS[func]
     if fixed is not None:
         if len(args) > 1 or kwargs:
@@ -146,16 +177,24 @@ def _flip_dims(func: Callable, args: Sequence[Any], kwargs: dict) -> tuple:
     return _as_tuple(kwargs["dims"])
 
 
-def sharded_flip(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_flip(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """torch.flip (fliplr, flipud) of a ShardTensor; rows move to the mirrored position's owner.
 
-    Example::
+    Examples:
+        ``fliplr`` of a matrix whose columns are split 3/1 on 2 ranks:
 
-        patches.function(torch.flip, sharded_flip)
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(8.0).reshape(2, 4)
+        >>> y = torch.fliplr(shard_tensor(full, mesh, [Shard(1)], [3, 1]))
+        >>> torch.equal(y.full_tensor(), torch.fliplr(full))
+        True
     """
     if not args:
         raise TypeError(f"{describe_target(func)}: missing the input tensor")
-    if _is_partial(args[0]):
+    if is_partial(args[0]):
         return delegate(func, types, args, kwargs)  # a permutation of a pending sum: the fallback is right
     x = require_shard_input(func, args[0])
     if FLIP_TARGETS[func] is not None and x.ndim < FLIP_TARGETS[func][0] + 1:
@@ -173,14 +212,9 @@ def sharded_flip(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Sha
     return from_local_like(local, x)
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare roll and flip handlers."""
     for target in ROLL_TARGETS:
         patches.function(

@@ -15,7 +15,7 @@ shard sizes, and only per-rank statistics cross ranks:
   all-gathers the gradient of that row: the prefix of rank ``r`` feeds every
   later rank). Along an unsharded dim: purely local.
 
-Delegated (:func:`~physicsnemo_shardext.primitives.delegate`, to the DTensor
+Delegated (`delegate`, to the DTensor
 fallback: PhysicsNeMo has no handler for these): inputs with a ``Partial``
 placement. Checked on 2 ranks against single-process, values and gradients: the
 fallback sums the partial terms first (softmax family, output ``Replicate``) or
@@ -33,15 +33,26 @@ Refused (``MissingShardPatch``), each checked against the delegate on 2 ranks:
   that layout on CPU ranks (``from_dtensor`` rejects its local shape), so nothing to delegate;
 * the sharded tensor not being the first argument (e.g. a plain input with a ShardTensor ``out=``).
 
-Example (2 ranks, ``x`` sharded ``Shard(1)`` 10/7)::
+Examples:
+    On 2 ranks, ``x`` sharded ``Shard(1)`` 10/7: the outputs keep that split and equal single-process:
 
-    y = torch.softmax(x, dim=1)      # Shard(1), sizes 10/7; 2 all_reduces of x.shape[0] * x.shape[2] values
-    c = x.cumsum(1)                  # Shard(1), sizes 10/7; 1 all_gather of one row per rank
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-2, 2, 3 * 17 * 2).reshape(3, 17, 2)
+    >>> x = shard_tensor(full, mesh, [Shard(1)], [10, 7])
+    >>> y = torch.softmax(x, dim=1)   # 2 all_reduces of 3 * 2 values
+    >>> tuple(y.to_local().shape) == [(3, 10, 2), (3, 7, 2)][rank], y.placements
+    (True, (Shard(dim=1),))
+    >>> torch.allclose(y.full_tensor(), torch.softmax(full, dim=1))
+    True
+    >>> c = x.cumsum(1)               # 1 all_gather of one row per rank
+    >>> torch.allclose(c.full_tensor(), full.cumsum(1), atol=1e-6)
+    True
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,41 +60,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import DimLayout, delegate, dim_layout, from_local_like
-from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    all_reduce_sum,
+    bind_arguments,
+    delegate,
+    describe_target,
+    dim_layout,
+    from_local_like,
+    is_partial,
+    normalize_dim,
+    require_shard_input,
+)
 
 __all__ = ["CUMSUM_TARGETS", "SOFTMAX_TARGETS", "sharded_cumsum", "sharded_softmax"]
 
-_NO_DEFAULT = object()
+
+# Mirrors of torch's C builtins (no introspectable signature), for ``bind_arguments``.
+def _softmax(input: Any, dim: Any, dtype: Any = None) -> None:
+    """``torch.softmax``/``log_softmax``, ``Tensor.softmax``/``log_softmax``, ``torch.special.*``."""
 
 
-def _bind(func: Callable, args: tuple, kwargs: dict, names: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """Map positional and keyword arguments onto ``names`` ((name, default) pairs, in order)."""
-    if len(args) > len(names):
-        raise TypeError(f"{describe_target(func)}: too many positional arguments ({len(args)})")
-    bound = dict(zip((n for n, _ in names), args))
-    for key, value in kwargs.items():
-        if key in bound:
-            raise TypeError(f"{describe_target(func)}: got multiple values for argument {key!r}")
-        bound[key] = value
-    for name, default in names:
-        if name not in bound:
-            if default is _NO_DEFAULT:
-                raise TypeError(f"{describe_target(func)}: missing argument {name!r}")
-            bound[name] = default
-    return bound
+def _cumsum(input: Any, dim: Any, dtype: Any = None, out: Any = None) -> None:
+    """``torch.cumsum``/``Tensor.cumsum``."""
 
 
-def _checked_input(func: Callable, x: Any, dim: Any) -> tuple[ShardTensor, int]:
+def _checked_input(func: Callable[..., Any], x: Any, dim: Any) -> tuple[ShardTensor, int]:
     """Validate the sharded input and normalize ``dim``."""
     x = require_shard_input(func, x)
     return x, normalize_dim(func, dim, x.ndim)
-
-
-def _is_partial(x: Any) -> bool:
-    return isinstance(x, ShardTensor) and any(p.is_partial() for p in x._spec.placements)
 
 
 def _softmax_dim_legacy(ndim: int) -> int:
@@ -106,58 +113,48 @@ def _global_row_max(local: torch.Tensor, layout: DimLayout) -> torch.Tensor:
     return row_max
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the layout's group; the gradient of every rank's summand is the summed gradient."""
-
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, layout: DimLayout) -> torch.Tensor:
-        ctx.layout = layout
-        total = value.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=layout.group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total: torch.Tensor):
-        grad = grad_total.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.layout.group)
-        return grad, None
-
-
 def _sharded_log_softmax_local(local: torch.Tensor, layout: DimLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (x - max, log(sum exp(x - max))) for this rank's block, the sum taken over all ranks."""
     shifted = local - _global_row_max(local, layout)
     local_sum = shifted.exp().sum(layout.tensor_dim, keepdim=True)
-    total = _AllReduceSum.apply(local_sum, layout)
+    # Every rank's rows read the total: the gradient of each rank's summand is the summed gradient.
+    total = all_reduce_sum(local_sum, layout.mesh, [layout.mesh_dim])
     return shifted, total.log()
 
 
-SOFTMAX_TARGETS: dict[Callable, tuple[str, list[tuple[str, Any]]]] = {
-    # target -> (kind, signature of the arguments after the tensor)
-    F.softmax: ("softmax", [("dim", None), ("_stacklevel", 3), ("dtype", None)]),
-    F.log_softmax: ("log_softmax", [("dim", None), ("_stacklevel", 3), ("dtype", None)]),
-    F.softmin: ("softmin", [("dim", None), ("_stacklevel", 3), ("dtype", None)]),
-    torch.softmax: ("softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
-    torch.log_softmax: ("log_softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
-    torch.Tensor.softmax: ("softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
-    torch.Tensor.log_softmax: ("log_softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
-    torch.special.softmax: ("softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
-    torch.special.log_softmax: ("log_softmax", [("dim", _NO_DEFAULT), ("dtype", None)]),
+SOFTMAX_TARGETS: dict[Callable[..., Any], tuple[str, Callable[..., Any]]] = {
+    # target -> (kind, the callable its arguments are bound against)
+    F.softmax: ("softmax", F.softmax),
+    F.log_softmax: ("log_softmax", F.log_softmax),
+    F.softmin: ("softmin", F.softmin),
+    torch.softmax: ("softmax", _softmax),
+    torch.log_softmax: ("log_softmax", _softmax),
+    torch.Tensor.softmax: ("softmax", _softmax),
+    torch.Tensor.log_softmax: ("log_softmax", _softmax),
+    torch.special.softmax: ("softmax", _softmax),
+    torch.special.log_softmax: ("log_softmax", _softmax),
 }
 
 
-def sharded_softmax(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_softmax(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """softmax / log_softmax / softmin of a ShardTensor; communicates only along a sharded ``dim``.
 
-    Example::
+    Examples:
+        Along an unsharded dim the call is local (no communication):
 
-        patches.function(torch.nn.functional.softmax, sharded_softmax)
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(12.0).reshape(3, 4)
+        >>> y = torch.log_softmax(shard_tensor(full, mesh, [Shard(0)], [2, 1]), dim=1)
+        >>> torch.allclose(y.full_tensor(), torch.log_softmax(full, dim=1))
+        True
     """
-    kind, signature = SOFTMAX_TARGETS[func]
-    if not args:
-        raise TypeError(f"{describe_target(func)}: missing the input tensor")
-    bound = _bind(func, args[1:], dict(kwargs), signature)
-    x = args[0]
-    if _is_partial(x):
+    kind, reference = SOFTMAX_TARGETS[func]
+    bound = bind_arguments(reference, args, kwargs)
+    x = bound["input"]
+    if is_partial(x):
         return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked: values, grads)
     dim = bound["dim"]
     if dim is None and isinstance(x, torch.Tensor):
@@ -192,7 +189,7 @@ class _ExclusivePrefix(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, total: torch.Tensor, layout: DimLayout) -> torch.Tensor:
+    def forward(ctx: Any, total: torch.Tensor, layout: DimLayout) -> torch.Tensor:
         ctx.layout = layout
         gathered = _gather_rows(total, layout)
         prefix = torch.zeros_like(total)
@@ -201,7 +198,7 @@ class _ExclusivePrefix(torch.autograd.Function):
         return prefix
 
     @staticmethod
-    def backward(ctx, grad_prefix: torch.Tensor):
+    def backward(ctx: Any, grad_prefix: torch.Tensor) -> tuple[torch.Tensor, None]:
         layout = ctx.layout
         gathered = _gather_rows(grad_prefix.contiguous(), layout)
         grad_total = torch.zeros_like(grad_prefix)
@@ -218,20 +215,28 @@ def _gather_rows(row: torch.Tensor, layout: DimLayout) -> list[torch.Tensor]:
     return [by_group_rank[layout.group_ranks[c]] for c in range(layout.parts)]
 
 
-CUMSUM_TARGETS: tuple[Callable, ...] = (torch.cumsum, torch.Tensor.cumsum)
+CUMSUM_TARGETS: tuple[Callable[..., Any], ...] = (torch.cumsum, torch.Tensor.cumsum)
 
 
-def sharded_cumsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def sharded_cumsum(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """cumsum of a ShardTensor; along a sharded dim adds the exclusive prefix of per-rank totals.
 
-    Example::
+    Examples:
+        An empty shard (split 5/0) still gets the right (empty) rows and joins the exchange:
 
-        patches.function(torch.cumsum, sharded_cumsum)
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(10.0).reshape(5, 2)
+        >>> c = torch.cumsum(shard_tensor(full, mesh, [Shard(0)], [5, 0]), 0)
+        >>> tuple(c.to_local().shape) == [(5, 2), (0, 2)][rank]
+        True
+        >>> torch.equal(c.full_tensor(), full.cumsum(0))
+        True
     """
-    if not args:
-        raise TypeError(f"{describe_target(func)}: missing the input tensor")
-    bound = _bind(func, args[1:], dict(kwargs), [("dim", _NO_DEFAULT), ("dtype", None), ("out", None)])
-    if _is_partial(args[0]) and bound["out"] is None:
+    bound = bind_arguments(_cumsum, args, kwargs)
+    if is_partial(bound["input"]) and bound["out"] is None:
         return delegate(func, types, args, kwargs)  # cumsum is linear: the fallback keeps Partial(sum) (checked)
     if bound["out"] is not None:
         raise MissingShardPatch(
@@ -239,7 +244,7 @@ def sharded_cumsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> S
             "ShardTensor out=, 'no valid sharding strategy' for aten.cumsum.out, and returns a new tensor "
             "instead of a plain out=; torch refuses out= under autograd)"
         )
-    x, dim = _checked_input(func, args[0], bound["dim"])
+    x, dim = _checked_input(func, bound["input"], bound["dim"])
     local = x.to_local()
     if x.ndim == 0:
         return from_local_like(torch.cumsum(local, 0, dtype=bound["dtype"]), x)
@@ -255,14 +260,9 @@ def sharded_cumsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> S
     return from_local_like(summed, x)
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare softmax-family and cumsum handlers."""
     for target, (kind, _) in SOFTMAX_TARGETS.items():
         patches.function(

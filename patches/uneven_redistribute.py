@@ -25,9 +25,19 @@ placement changes from ``Shard(d)``, does the local block have the size
   over several mesh dims): ``MissingShardPatch`` naming the op's layout, instead
   of wrong numbers.
 
-Example (2 ranks, ``x`` of shape ``(2, 3, 7, 4)`` split 5 + 2 on dim 2)::
+Refused (``MissingShardPatch``): every move of an uneven (non-``torch.chunk``) shard
+other than ``Shard(d) -> Replicate`` with known per-rank sizes (``Shard -> Shard``,
+a spec without sharding shapes, one dim sharded over several mesh dims): DTensor
+would compute wrong values from it without an error.
 
-    torch.sort(x, dim=2).values     # was silently wrong; now equal to the single-process sort
+Examples:
+    A sort along a dim split 5 + 2 (``torch.chunk`` would say 4 + 3), on 2 ranks:
+
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(1, -1, 14).reshape(2, 7)
+    >>> x = shard_tensor(full, mesh, [Shard(1)], [5, 2])
+    >>> torch.equal(torch.sort(x, dim=1).values.full_tensor(), torch.sort(full, dim=1).values)
+    True
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
 
 __all__ = ["OWNERS", "chunk_mismatches", "guarded_redistribute"]
 
@@ -56,7 +66,17 @@ OWNERS = (dtensor_redistribute, dtensor_dispatch, dtensor_api)
 def chunk_mismatches(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> list[tuple[int, int, int]]:
     """``(mesh_dim, tensor_dim, expected_rows)`` for each moved ``Shard`` whose local rows are not chunk-sized.
 
-    >>> # on rank 0 of 2, a (7,) tensor held as 5 + 2, redistributed to Replicate -> [(0, 0, 4)]
+    Examples:
+        A ``(7,)`` tensor held as 5 + 2 on 2 ranks, redistributed to ``Replicate``:
+
+        >>> from torch.distributed.tensor._dtensor_spec import TensorMeta
+        >>> meta = TensorMeta(torch.Size([7]), (1,), torch.float32)
+        >>> current = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+        >>> target = DTensorSpec(mesh, (Replicate(),), tensor_meta=meta)
+        >>> chunk_mismatches(torch.zeros([5, 2][rank]), current, target) == [[(0, 0, 4)], [(0, 0, 3)]][rank]
+        True
+        >>> chunk_mismatches(torch.zeros([4, 3][rank]), current, target)     # torch.chunk's rows
+        []
     """
     moved = [
         (mesh_dim, placement.dim)
@@ -87,9 +107,16 @@ def _describe(current: DTensorSpec, local: torch.Tensor) -> str:
 def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Wrap DTensor's ``redistribute_local_tensor``: gather uneven ``Shard -> Replicate`` moves right, refuse others.
 
-    Example::
+    Examples:
+        >>> guarded = guarded_redistribute(dtensor_redistribute.redistribute_local_tensor)
+        >>> guarded.__wrapped__ is dtensor_redistribute.redistribute_local_tensor
+        True
 
+        What the plugin declares, per module of `OWNERS` (not run here):
+
+        ```python
         dtensor_dispatch.redistribute_local_tensor = guarded_redistribute(dtensor_dispatch.redistribute_local_tensor)
+        ```
     """
 
     def redistribute_local_tensor(local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec,
@@ -126,7 +153,7 @@ def shardext_requirements() -> dict[str, str]:
 
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Wrap ``redistribute_local_tensor`` in every torch module that binds it."""
     for owner in OWNERS:
         patches.replace_attribute(

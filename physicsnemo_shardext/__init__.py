@@ -8,7 +8,20 @@ Importing the package
    entry-point group and installs its patches into ShardTensor's registries,
    with provenance (unless ``SHARDEXT_AUTOLOAD=0``).
 
-Example:
+Public API (stable names; everything else is internal and may change):
+
+* this package's top level (``__all__`` below): plugin markers and hook types,
+  the registry, settings, errors, ``initialize``;
+* ``physicsnemo_shardext.primitives``: the handler vocabulary patches are written in;
+* ``physicsnemo_shardext.testing``: multi-rank fixtures, sharding and conformance helpers;
+* ``physicsnemo_shardext.hookspecs``: the hook specifications (for reading).
+
+Internal modules (their public classes are re-exported above): ``loader``,
+``registry``, ``resolution``, ``shard_registries``, ``baseline``, ``requirements``,
+``inventory``, ``trace``, ``cli`` and the first-party ``patches``. The module map
+is in ``docs/concepts.md``.
+
+Examples:
     >>> import physicsnemo_shardext as shardext
     >>> registry = shardext.get_registry()
     >>> any(p.plugin.distribution == "physicsnemo-shardext" for p in registry.installed())
@@ -21,8 +34,8 @@ from collections.abc import Iterable
 from importlib import metadata
 from typing import Any
 
-from physicsnemo_shardext.builtins import builtin_handler, ensure_builtin_patches
-from physicsnemo_shardext.declarations import PatchDeclaration, PatchSet
+from physicsnemo_shardext.baseline import builtin_handler, ensure_builtin_patches
+from physicsnemo_shardext.declarations import DispatchHandler, FunctionHandler, PatchDeclaration, PatchSet
 from physicsnemo_shardext.distributed import distributed_session, initialize, shutdown
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
@@ -40,10 +53,13 @@ from physicsnemo_shardext.markers import hookimpl
 from physicsnemo_shardext.provenance import InstalledPatch, PluginInfo, PluginReport
 from physicsnemo_shardext.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
-from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
+from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel, original_attribute
+from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
     "AttributeTarget",
+    "DispatchHandler",
+    "FunctionHandler",
     "IncompatiblePluginError",
     "InstalledPatch",
     "InvalidPatchDeclaration",
@@ -62,6 +78,7 @@ __all__ = [
     "ShardextWarning",
     "UndeclaredPatchError",
     "builtin_handler",
+    "describe_target",
     "disabled",
     "distributed_session",
     "get_registry",
@@ -69,6 +86,7 @@ __all__ = [
     "initialize",
     "load_plugin",
     "load_plugins",
+    "original_attribute",
     "sandbox",
     "shutdown",
 ]
@@ -93,7 +111,7 @@ def load_plugins(settings: Settings | None = None, entry_points: Iterable[Any] |
     Runs automatically on import unless ``SHARDEXT_AUTOLOAD=0``. A plugin already
     loaded under the same (distribution, name) is skipped, so calling it again only
     loads what is new; a name held by another distribution is refused at the name
-    check (:class:`PluginNameClash`).
+    check (`PluginNameClash`).
     """
     settings = settings or Settings.from_env()
     ensure_builtin_patches()
@@ -103,9 +121,10 @@ def load_plugins(settings: Settings | None = None, entry_points: Iterable[Any] |
 def load_plugin(plugin: Any, name: str, *, settings: Settings | None = None) -> PluginReport:
     """Install a plugin object directly (no entry point), e.g. from a notebook or a test.
 
-    Example::
-
+    Examples:
+        ```python
         report = physicsnemo_shardext.load_plugin(my_plugin_module, "my-plugin")
+        ```
     """
     ensure_builtin_patches()
     loader = PluginLoader(_registry, settings or Settings.from_env())
@@ -113,7 +132,7 @@ def load_plugin(plugin: Any, name: str, *, settings: Settings | None = None) -> 
 
 
 def disabled(plugins: Iterable[str] = (), targets: Iterable[Any] = ()) -> Any:
-    """Context manager: run with plugins/targets switched off (see :meth:`PatchRegistry.disabled`)."""
+    """Context manager: run with plugins/targets switched off (see `PatchRegistry.disabled`)."""
     return _registry.disabled(plugins=plugins, targets=targets)
 
 

@@ -1,10 +1,12 @@
 """The ``shardext`` command: see what is installed in ShardTensor and why.
 
-Usage::
+Usage:
 
-    shardext list [--json] [--plugin NAME]   # every handler with its provenance
-    shardext doctor [--json]                 # versions, backends, plugin health, conflicts
-    python -m physicsnemo_shardext list      # same, without the console script
+```python
+shardext list [--json] [--plugin NAME]   # every handler with its provenance
+shardext doctor [--json]                 # versions, backends, plugin health, conflicts
+python -m physicsnemo_shardext list      # same, without the console script
+```
 
 Neither command dies because of a plugin: whatever a plugin raises while it is
 loaded or inspected (``SystemExit`` included; only a real Ctrl-C, exactly
@@ -12,7 +14,7 @@ loaded or inspected (``SystemExit`` included; only a real Ctrl-C, exactly
 printed. While plugins load, their output goes to stderr, so ``--json`` stays
 valid JSON.
 
-Example:
+Examples:
     >>> import io, json
     >>> out = io.StringIO()
     >>> main(["list", "--json", "--plugin", "pointwise"], out=out)
@@ -82,8 +84,9 @@ def plugin_output_to_stderr() -> Iterator[None]:
 
     The fd-level swap also catches ``os.write(1, ...)`` and extension modules.
 
-    >>> with plugin_output_to_stderr():
-    ...     print("from a plugin")  # goes to stderr
+    Examples:
+        >>> with plugin_output_to_stderr():
+        ...     print("from a plugin")  # goes to stderr
     """
     saved = _swap_stdout_fd()
     try:
@@ -96,9 +99,10 @@ def plugin_output_to_stderr() -> Iterator[None]:
 def contained(step: str, errors: list[str], action: Callable[[], T], default: T) -> T:
     """Run ``action``; on any exception but a real Ctrl-C, note it in ``errors`` and return ``default``.
 
-    >>> errors = []
-    >>> contained("loading plugins", errors, lambda: sys.exit(3), default=None), errors
-    (None, ['loading plugins: SystemExit: 3'])
+    Examples:
+        >>> errors = []
+        >>> contained("loading plugins", errors, lambda: sys.exit(3), default=None), errors
+        (None, ['loading plugins: SystemExit: 3'])
     """
     try:
         return action()
@@ -113,14 +117,15 @@ def contained(step: str, errors: list[str], action: Callable[[], T], default: T)
 def started_as_cli(argv: Sequence[str] | None = None, orig_argv: Sequence[str] | None = None) -> bool:
     """Whether this process is the ``shardext`` command (console script or ``python -m``).
 
-    The package loads plugins as soon as it is imported, before :func:`main` runs, so
-    its ``__init__`` asks this to route that load through :func:`autoload_for_cli`.
+    The package loads plugins as soon as it is imported, before `main` runs, so
+    its ``__init__`` asks this to route that load through `autoload_for_cli`.
     ``orig_argv`` is needed for ``-m``: ``sys.argv[0]`` is ``"-m"`` while the package imports.
 
-    >>> started_as_cli(["/venv/bin/shardext", "list"], []), started_as_cli(["train.py"], ["python", "train.py"])
-    (True, False)
-    >>> started_as_cli(["-m"], ["python", "-m", "physicsnemo_shardext", "doctor"])
-    True
+    Examples:
+        >>> started_as_cli(["/venv/bin/shardext", "list"], []), started_as_cli(["train.py"], ["python", "train.py"])
+        (True, False)
+        >>> started_as_cli(["-m"], ["python", "-m", "physicsnemo_shardext", "doctor"])
+        True
     """
     argv = sys.argv if argv is None else argv
     orig_argv = getattr(sys, "orig_argv", ()) if orig_argv is None else orig_argv
@@ -138,7 +143,8 @@ def autoload_for_cli(load: Callable[[], Any]) -> None:
     Plugins' output goes to stderr (``--json`` stays valid) and anything they raise,
     strict-mode errors included, is kept for the report instead of ending the command.
 
-    >>> autoload_for_cli(lambda: print("plugin chatter"))  # printed on stderr
+    Examples:
+        >>> autoload_for_cli(lambda: print("plugin chatter"))  # printed on stderr
     """
     with plugin_output_to_stderr():
         contained("loading plugins", _EARLY_ERRORS, load, None)

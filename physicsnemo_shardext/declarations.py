@@ -1,12 +1,12 @@
 """What a plugin hands back: patch declarations, collected by a ``PatchSet``.
 
 Plugins never write into ShardTensor. Their ``shardext_declare_patches`` hook
-receives a :class:`PatchSet` and *declares* patches on it; each declaration is
+receives a `PatchSet` and *declares* patches on it; each declaration is
 validated on the spot (target exists, level fits, handler signature fits) so
 an error points at the plugin's own line. The framework installs the whole
 set later, or nothing of it.
 
-Example:
+Examples:
     >>> import torch
     >>> patches = PatchSet(plugin="demo")
     >>> def roll_handler(func, types, args, kwargs): ...
@@ -25,7 +25,16 @@ from physicsnemo_shardext.errors import InvalidPatchDeclaration
 from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
 from physicsnemo_shardext.targets import describe_target, infer_level, resolve_target, validate_handler
 
-__all__ = ["PatchDeclaration", "PatchSet"]
+__all__ = ["DispatchHandler", "FunctionHandler", "PatchDeclaration", "PatchSet"]
+
+#: A ``__torch_function__``-level handler (``patches.function`` / ``patches.named``):
+#: called as ``handler(func, types, args, kwargs)`` with the call exactly as the user
+#: wrote it; returns the result (usually a ShardTensor).
+FunctionHandler = Callable[[Callable[..., Any], tuple[type, ...], tuple[Any, ...], dict[str, Any]], Any]
+
+#: A ``__torch_dispatch__``-level handler (``patches.dispatch``): called with the aten
+#: op's own arguments, ``handler(*args, **kwargs)``.
+DispatchHandler = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,7 @@ class PatchDeclaration:
 
     target: Any
     level: PatchLevel
-    handler: Callable
+    handler: Callable[..., Any]
     priority: int = 0
     override: bool = False
     description: str = ""
@@ -59,7 +68,7 @@ class PatchDeclaration:
         return (self.level, self.target)
 
 
-def _first_doc_line(handler: Callable) -> str:
+def _first_doc_line(handler: Callable[..., Any]) -> str:
     """First line of a handler's docstring, or ``""``."""
     lines = (getattr(handler, "__doc__", None) or "").strip().splitlines()
     return lines[0] if lines else ""
@@ -68,8 +77,8 @@ def _first_doc_line(handler: Callable) -> str:
 class PatchSet:
     """The registry object handed to a plugin's ``shardext_declare_patches`` hook.
 
-    Use :meth:`function`, :meth:`dispatch` or :meth:`named` (or :meth:`declare`,
-    which infers the level from the target's type), and :meth:`replace_attribute`
+    Use `function`, `dispatch` or `named` (or `declare`,
+    which infers the level from the target's type), and `replace_attribute`
     to correct an attribute of a PhysicsNeMo class. Declaring the same target
     twice in one plugin is an error.
 
@@ -86,14 +95,14 @@ class PatchSet:
     def declare(
         self,
         target: Any,
-        handler: Callable,
+        handler: Callable[..., Any],
         *,
         level: PatchLevel | str | None = None,
         priority: int = 0,
         override: bool = False,
         description: str = "",
     ) -> None:
-        """Declare a patch; raises :class:`InvalidPatchDeclaration` naming plugin and target."""
+        """Declare a patch; raises `InvalidPatchDeclaration` naming plugin and target."""
         name = describe_target(target)
         try:
             resolved_level = PatchLevel(level) if level is not None else infer_level(target)
@@ -115,15 +124,15 @@ class PatchSet:
             description=description or _first_doc_line(handler),
         )
 
-    def function(self, target: Any, handler: Callable, **options: Any) -> None:
+    def function(self, target: Any, handler: FunctionHandler, **options: Any) -> None:
         """Declare a ``__torch_function__`` handler ``handler(func, types, args, kwargs)``."""
         self.declare(target, handler, level=PatchLevel.FUNCTION, **options)
 
-    def dispatch(self, target: Any, handler: Callable, **options: Any) -> None:
+    def dispatch(self, target: Any, handler: DispatchHandler, **options: Any) -> None:
         """Declare a ``__torch_dispatch__`` handler for an aten OpOverload."""
         self.declare(target, handler, level=PatchLevel.DISPATCH, **options)
 
-    def named(self, target: str, handler: Callable, **options: Any) -> None:
+    def named(self, target: str, handler: FunctionHandler, **options: Any) -> None:
         """Declare a handler for a custom op by name (``"mylib.op.default"``)."""
         self.declare(target, handler, level=PatchLevel.NAMED, **options)
 
@@ -144,10 +153,10 @@ class PatchSet:
         installed, recorded, listed, resolved against other claims and undone
         exactly like a handler. ``reason`` (required) says why, for ``shardext
         list``. ``applies`` is called once, now: if it returns False the
-        replacement is not declared (recorded in :attr:`not_applicable`), so a fix
+        replacement is not declared (recorded in `not_applicable`), so a fix
         is active only where the defect exists. Returns whether it was declared.
 
-        Example:
+        Examples:
             >>> class Owner:
             ...     @staticmethod
             ...     def backward(ctx, grad):

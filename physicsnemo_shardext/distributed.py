@@ -5,18 +5,21 @@ PhysicsNeMo 2.2.x's ``DistributedManager.initialize()`` passes
 without CUDA, which torch rejects with ``ValueError``. Yet ``scatter_tensor``
 and ``DistributedManager.get_mesh_group`` need an initialized manager.
 
-:func:`initialize` runs PhysicsNeMo's own initializer (environment, SLURM or
+`initialize` runs PhysicsNeMo's own initializer (environment, SLURM or
 OpenMPI discovery, manager state, its ``atexit`` cleanup) and only drops a
 *CPU* ``device_id`` on its way to torch. Where PhysicsNeMo does not pass one
 (on GPUs, or once it is fixed), nothing is changed at all.
 
-Example (under ``torchrun --nproc-per-node 2 script.py``)::
+Examples:
+    Under ``torchrun --nproc-per-node 2 script.py``:
 
+    ```python
     from physicsnemo_shardext.distributed import initialize, shutdown
     manager = initialize()          # gloo on CPU, NCCL on GPU
     mesh = manager.initialize_mesh((-1,), ("domain",))
     ...
     shutdown()
+    ```
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ __all__ = ["distributed_session", "initialize", "is_cpu_device_id", "shutdown"]
 def is_cpu_device_id(device_id: Any) -> bool:
     """Return whether ``device_id`` names the CPU, which torch's ``init_process_group`` refuses.
 
-    >>> is_cpu_device_id(torch.device("cpu")), is_cpu_device_id(None)
-    (True, False)
+    Examples:
+        >>> is_cpu_device_id(torch.device("cpu")), is_cpu_device_id(None)
+        (True, False)
     """
     if device_id is None or isinstance(device_id, int):
         return False
@@ -94,12 +98,12 @@ def initialize() -> DistributedManager:
     Returns:
         The initialized ``DistributedManager`` singleton.
 
-    Example:
+    Examples:
         >>> manager = initialize()  # doctest: +SKIP
         >>> manager.world_size      # doctest: +SKIP
         2
     """
-    from physicsnemo_shardext.builtins import ensure_builtin_patches
+    from physicsnemo_shardext.baseline import ensure_builtin_patches
 
     ensure_builtin_patches()
     if DistributedManager.is_initialized():
@@ -126,12 +130,15 @@ def shutdown() -> None:
 
 @contextlib.contextmanager
 def distributed_session() -> Iterator[DistributedManager]:
-    """Context manager: :func:`initialize` on entry, :func:`shutdown` on exit (also on error).
+    """Context manager: `initialize` on entry, `shutdown` on exit (also on error).
 
-    Example::
+    Examples:
+        Under ``torchrun``:
 
+        ```python
         with distributed_session() as manager:
             print(manager.rank, manager.world_size)
+        ```
     """
     manager = initialize()
     try:

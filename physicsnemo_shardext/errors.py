@@ -3,7 +3,7 @@
 Every error names its culprit (plugin, target, configuration) so that a user
 reading a traceback knows which package to blame without a debugger.
 
-Example:
+Examples:
     >>> from physicsnemo_shardext.errors import InvalidPatchDeclaration
     >>> str(InvalidPatchDeclaration("demo", "torch.roll", "handler is not callable"))
     "plugin 'demo' declared an invalid patch for torch.roll: handler is not callable"
@@ -71,9 +71,10 @@ class PatchConflictError(ShardextError):
 def is_user_interrupt(error: BaseException) -> bool:
     """Whether ``error`` is a user's Ctrl-C (exactly ``KeyboardInterrupt``), which must propagate.
 
-    >>> class PluginPanic(KeyboardInterrupt): ...
-    >>> is_user_interrupt(KeyboardInterrupt()), is_user_interrupt(PluginPanic()), is_user_interrupt(SystemExit(3))
-    (True, False, False)
+    Examples:
+        >>> class PluginPanic(KeyboardInterrupt): ...
+        >>> is_user_interrupt(KeyboardInterrupt()), is_user_interrupt(PluginPanic()), is_user_interrupt(SystemExit(3))
+        (True, False, False)
     """
     # SIGINT's default handler raises this exact type; a subclass can only come from a plugin.
     return type(error) is KeyboardInterrupt
@@ -82,13 +83,14 @@ def is_user_interrupt(error: BaseException) -> bool:
 def describe_exception(error: BaseException) -> str:
     """``Type: message`` of any exception, even one whose ``__str__`` itself raises.
 
-    >>> describe_exception(SystemExit(3)), describe_exception(GeneratorExit())
-    ('SystemExit: 3', 'GeneratorExit')
-    >>> class Rude(Exception):
-    ...     def __str__(self):
-    ...         raise SystemExit(1)
-    >>> describe_exception(Rude())
-    'Rude: <unprintable Rude>'
+    Examples:
+        >>> describe_exception(SystemExit(3)), describe_exception(GeneratorExit())
+        ('SystemExit: 3', 'GeneratorExit')
+        >>> class Rude(Exception):
+        ...     def __str__(self):
+        ...         raise SystemExit(1)
+        >>> describe_exception(Rude())
+        'Rude: <unprintable Rude>'
     """
     try:
         message = str(error)
@@ -105,11 +107,12 @@ class PluginLoadError(ShardextError):
 
     ``detail`` is appended to the message (e.g. that registry writes were rolled back).
     ``cause`` is whatever the plugin raised (any ``BaseException``, ``SystemExit``
-    included), or one of :class:`UndeclaredPatchError`, :class:`PluginNameClash`,
-    :class:`IncompatiblePluginError` for problems the framework found itself.
+    included), or one of `UndeclaredPatchError`, `PluginNameClash`,
+    `IncompatiblePluginError` for problems the framework found itself.
 
-    >>> str(PluginLoadError("demo", "demo-dist", "1.0", "import", SystemExit(3)))
-    "plugin 'demo' from demo-dist==1.0 failed during import: SystemExit: 3 (a BaseException: contained, loading a plugin never ends the program)"
+    Examples:
+        >>> str(PluginLoadError("demo", "demo-dist", "1.0", "import", SystemExit(3)))
+        "plugin 'demo' from demo-dist==1.0 failed during import: SystemExit: 3 (a BaseException: contained, loading a plugin never ends the program)"
     """
 
     def __init__(
@@ -134,8 +137,9 @@ class UndeclaredPatchError(ShardextError):
     Found by comparing snapshots taken around the plugin's import and hook calls;
     the writes are rolled back before the error is reported.
 
-    >>> str(UndeclaredPatchError(["_function_registry[torch.roll]: added m.h"], ["patches.function(torch.roll, m.h)"]))
-    "wrote into ShardTensor's registries outside the hooks (_function_registry[torch.roll]: added m.h); the writes were rolled back. Declare the patch in a shardext_declare_patches hook instead: patches.function(torch.roll, m.h), with override=True where it replaces an existing handler"
+    Examples:
+        >>> str(UndeclaredPatchError(["_function_registry[torch.roll]: added m.h"], ["patches.function(torch.roll, m.h)"]))
+        "wrote into ShardTensor's registries outside the hooks (_function_registry[torch.roll]: added m.h); the writes were rolled back. Declare the patch in a shardext_declare_patches hook instead: patches.function(torch.roll, m.h), with override=True where it replaces an existing handler"
     """
 
     def __init__(self, changes: list[str], hints: list[str]) -> None:
@@ -156,10 +160,11 @@ class PluginNameClash(ShardextError):
     plugins by name (``SHARDEXT_DISABLE``, ``SHARDEXT_PREFER``), a name must belong
     to one distribution.
 
-    >>> str(PluginNameClash("pointwise", ["evil-dist"], owner="physicsnemo-shardext", owner_kind="a first-party plugin"))
-    "the name 'pointwise' belongs to a first-party plugin of physicsnemo-shardext and cannot be taken by evil-dist; publish the entry point under another name"
-    >>> str(PluginNameClash("fast", ["b-dist", "a-dist"]))
-    "distributions a-dist and b-dist both publish a plugin named 'fast', so neither is loaded; keep one with SHARDEXT_DISABLE=a-dist or SHARDEXT_DISABLE=b-dist, or rename one entry point"
+    Examples:
+        >>> str(PluginNameClash("pointwise", ["evil-dist"], owner="physicsnemo-shardext", owner_kind="a first-party plugin"))
+        "the name 'pointwise' belongs to a first-party plugin of physicsnemo-shardext and cannot be taken by evil-dist; publish the entry point under another name"
+        >>> str(PluginNameClash("fast", ["b-dist", "a-dist"]))
+        "distributions a-dist and b-dist both publish a plugin named 'fast', so neither is loaded; keep one with SHARDEXT_DISABLE=a-dist or SHARDEXT_DISABLE=b-dist, or rename one entry point"
     """
 
     def __init__(self, plugin: str, distributions: list[str], *, owner: str | None = None, owner_kind: str = "") -> None:
@@ -184,8 +189,9 @@ class PluginNameClash(ShardextError):
 class IncompatiblePluginError(ShardextError):
     """A plugin's ``shardext_requirements`` are not met (an error in strict mode only).
 
-    >>> str(IncompatiblePluginError("requires torch<1.0, but torch 2.5 is installed"))
-    'it requires torch<1.0, but torch 2.5 is installed, so it was skipped'
+    Examples:
+        >>> str(IncompatiblePluginError("requires torch<1.0, but torch 2.5 is installed"))
+        'it requires torch<1.0, but torch 2.5 is installed, so it was skipped'
     """
 
     def __init__(self, reason: str) -> None:

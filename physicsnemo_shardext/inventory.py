@@ -6,9 +6,9 @@ the handler ShardTensor actually calls, next to what provenance recorded for
 that slot (the plugin's declared handler, else PhysicsNeMo's built-in), and
 flags the slot as ``drift`` when the two differ: something wrote into
 ShardTensor's registries outside the framework (by hand, or a plugin bypassing
-its hooks). The JSON layout is versioned by :data:`SCHEMA_VERSION`.
+its hooks). The JSON layout is versioned by `SCHEMA_VERSION`.
 
-Example:
+Examples:
     >>> import physicsnemo_shardext
     >>> rows = handler_rows(physicsnemo_shardext.get_registry())
     >>> {row["provider"] for row in rows} >= {"physicsnemo"}
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import shard_registries
-from physicsnemo_shardext.builtins import baseline, handler_origin
-from physicsnemo_shardext.compat import installed_version
+from physicsnemo_shardext.baseline import baseline, handler_origin
+from physicsnemo_shardext.requirements import installed_version
 from physicsnemo_shardext.provenance import InstalledPatch, LoadStatus, PluginInfo
 from physicsnemo_shardext.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
@@ -100,9 +100,10 @@ def called_handler(level: PatchLevel, target: Any) -> tuple[Any, str | None]:
 
     Dispatch consults ``_dispatch_registry`` first, then ``_dispatch_registry_by_name``.
 
-    >>> import torch.nn.functional as F
-    >>> called_handler(PatchLevel.FUNCTION, F.interpolate)[1]
-    '_function_registry'
+    Examples:
+        >>> import torch.nn.functional as F
+        >>> called_handler(PatchLevel.FUNCTION, F.interpolate)[1]
+        '_function_registry'
     """
     level = PatchLevel(level)
     if level is PatchLevel.ATTRIBUTE:
@@ -141,10 +142,11 @@ def plugin_index(registry: PatchRegistry) -> dict[int, PluginInfo]:
 
     The registry keeps the handlers alive, so their ids stay unique while it holds them.
 
-    >>> import physicsnemo_shardext, torch.nn.functional as F
-    >>> registry = physicsnemo_shardext.get_registry()
-    >>> plugin_index(registry)[id(registry.provenance(F.gelu).declaration.handler)].name
-    'pointwise'
+    Examples:
+        >>> import physicsnemo_shardext, torch.nn.functional as F
+        >>> registry = physicsnemo_shardext.get_registry()
+        >>> plugin_index(registry)[id(registry.provenance(F.gelu).declaration.handler)].name
+        'pointwise'
     """
     return {id(patch.declaration.handler): patch.plugin for patch in registry.installed()}
 
@@ -152,12 +154,13 @@ def plugin_index(registry: PatchRegistry) -> dict[int, PluginInfo]:
 def plugin_of(handler: Any, registry: PatchRegistry, index: dict[int, PluginInfo] | None = None) -> PluginInfo | None:
     """The plugin whose installed declaration is ``handler`` (trace wrappers seen through), else ``None``.
 
-    Pass ``index`` (from :func:`plugin_index`) when asking about many handlers.
+    Pass ``index`` (from `plugin_index`) when asking about many handlers.
 
-    >>> import physicsnemo_shardext, torch.nn.functional as F
-    >>> registry = physicsnemo_shardext.get_registry()
-    >>> plugin_of(registry.provenance(F.gelu).declaration.handler, registry).name
-    'pointwise'
+    Examples:
+        >>> import physicsnemo_shardext, torch.nn.functional as F
+        >>> registry = physicsnemo_shardext.get_registry()
+        >>> plugin_of(registry.provenance(F.gelu).declaration.handler, registry).name
+        'pointwise'
     """
     index = plugin_index(registry) if index is None else index
     return index.get(id(untraced(handler)))

@@ -8,14 +8,14 @@ For every entry point in the ``physicsnemo_shardext`` group the loader:
 3. imports it and registers it with pluggy;
 4. asks its ``shardext_requirements`` hook and skips it if a range is not met;
 5. collects its ``shardext_declare_patches`` into a fresh
-   :class:`~physicsnemo_shardext.declarations.PatchSet`;
-6. hands the whole set to the :class:`~physicsnemo_shardext.registry.PatchRegistry`.
+   `PatchSet`;
+6. hands the whole set to the `PatchRegistry`.
 
 **Failures.** Whatever a plugin raises during steps 3-6 -- any ``Exception``, and
 also ``SystemExit``, ``GeneratorExit``, subclasses of ``KeyboardInterrupt`` and
 any other ``BaseException`` -- unregisters the plugin, leaves the registries
 exactly as they were before it, warns with the distribution, version and
-exception (or raises :class:`~physicsnemo_shardext.errors.PluginLoadError` in
+exception (or raises `PluginLoadError` in
 strict mode), and the next plugin loads as usual.
 
 **Interrupts.** The one exception that is not contained is a real Ctrl-C. Python's
@@ -31,7 +31,7 @@ slots the framework manages) are snapshotted before each plugin and compared
 after its import and after each hook. Any difference is the plugin's own write
 (``ShardTensor.register_function_handler(...)``, a direct dict write): it is
 rolled back at once, so it never reaches the next plugin, and the plugin fails
-with an :class:`~physicsnemo_shardext.errors.UndeclaredPatchError` that says
+with an `UndeclaredPatchError` that says
 which ``patches.*`` declaration to use instead. Only the framework's install
 (step 6) writes into the registries.
 
@@ -47,7 +47,7 @@ newcomer. None of this depends on the order entry points are discovered in.
 clean load: a failure, a refused name, a bypassing write, and a plugin skipped as
 incompatible. Plugins the user blocked are not failures.
 
-Example:
+Examples:
     >>> import types
     >>> from physicsnemo_shardext.registry import PatchRegistry
     >>> from physicsnemo_shardext.settings import Settings
@@ -71,7 +71,7 @@ from typing import Any
 import pluggy
 
 from physicsnemo_shardext import hookspecs, shard_registries
-from physicsnemo_shardext.compat import incompatibility
+from physicsnemo_shardext.requirements import incompatibility
 from physicsnemo_shardext.declarations import PatchSet
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
@@ -151,8 +151,9 @@ def _is_first_party(info: PluginInfo) -> bool:
 def first_party_names(group: str = ENTRY_POINT_GROUP) -> frozenset[str]:
     """Normalised entry-point names that ``physicsnemo-shardext`` declares (reserved for it).
 
-    >>> "pointwise" in first_party_names()
-    True
+    Examples:
+        >>> "pointwise" in first_party_names()
+        True
     """
     try:
         distribution = metadata.distribution(DISTRIBUTION_NAME)
@@ -172,11 +173,12 @@ def name_clashes(
     * a ``reserved`` (first-party) name refuses every candidate not from ``physicsnemo-shardext``;
     * otherwise a name published by several distributions refuses all of them.
 
-    >>> a, b = PluginInfo("fast", "a-dist", "1"), PluginInfo("fast", "b-dist", "1")
-    >>> sorted(info.distribution for info in name_clashes([b, a], [], reserved=()))
-    ['a-dist', 'b-dist']
-    >>> list(name_clashes([PluginInfo("pointwise", "evil-dist", "1")], [], reserved={"pointwise"}).values())[0].owner
-    'physicsnemo-shardext'
+    Examples:
+        >>> a, b = PluginInfo("fast", "a-dist", "1"), PluginInfo("fast", "b-dist", "1")
+        >>> sorted(info.distribution for info in name_clashes([b, a], [], reserved=()))
+        ['a-dist', 'b-dist']
+        >>> list(name_clashes([PluginInfo("pointwise", "evil-dist", "1")], [], reserved={"pointwise"}).values())[0].owner
+        'physicsnemo-shardext'
     """
     by_name: dict[str, list[PluginInfo]] = defaultdict(list)
     for info in candidates:
@@ -210,9 +212,10 @@ def _refuse_taken(infos: Iterable[PluginInfo], holder: PluginInfo | None) -> dic
 def describe_change(change: RegistryChange) -> str:
     """One line naming a registry entry a plugin changed, for messages.
 
-    >>> import torch
-    >>> describe_change(RegistryChange("_function_registry", torch.roll, None, print))
-    '_function_registry[torch.roll]: added builtins.print'
+    Examples:
+        >>> import torch
+        >>> describe_change(RegistryChange("_function_registry", torch.roll, None, print))
+        '_function_registry[torch.roll]: added builtins.print'
     """
     if change.key is None:
         return f"ShardTensor.{change.table} rebound to another dict"
@@ -261,7 +264,7 @@ class _Attempt:
 
 
 class PluginLoader:
-    """Loads plugins into a :class:`PatchRegistry`, one at a time, each in isolation."""
+    """Loads plugins into a `PatchRegistry`, one at a time, each in isolation."""
 
     def __init__(self, registry: PatchRegistry, settings: Settings) -> None:
         self.registry = registry
@@ -422,7 +425,7 @@ class PluginLoader:
         return report
 
     def _fail(self, info: PluginInfo, stage: str, error: BaseException, stray: Sequence[str] = ()) -> PluginReport:
-        """Record a failure; warn, or raise :class:`PluginLoadError` in strict mode."""
+        """Record a failure; warn, or raise `PluginLoadError` in strict mode."""
         detail = ""
         if stray and not isinstance(error, UndeclaredPatchError):
             detail = f"its writes into ShardTensor's registries outside the hooks were rolled back ({'; '.join(stray)})"

@@ -3,7 +3,7 @@
 These are plain frozen dataclasses so that ``shardext list --json`` and tests
 can read them without touching the registry's internals.
 
-Example:
+Examples:
     >>> info = PluginInfo(name="demo", distribution="demo-dist", version="1.0")
     >>> info.label
     'demo (demo-dist==1.0)'

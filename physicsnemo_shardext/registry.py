@@ -1,13 +1,13 @@
 """The framework's registry: installs resolved plugin patches into ShardTensor, with provenance.
 
-:class:`PatchRegistry` holds every loaded plugin's declarations, resolves one
-winner per registry slot (see :mod:`physicsnemo_shardext.resolution`), and
+`PatchRegistry` holds every loaded plugin's declarations, resolves one
+winner per registry slot (see `physicsnemo_shardext.resolution`), and
 writes exactly the winning handlers into ShardTensor's registries. Because the
 desired state is recomputed from the full set of claims on every change,
 install order never matters, and removing plugins puts back, slot by slot,
 exactly what ShardTensor held before the framework first touched that slot.
 
-Example:
+Examples:
     >>> import torch
     >>> from physicsnemo_shardext.declarations import PatchSet
     >>> from physicsnemo_shardext.provenance import PluginInfo
@@ -34,24 +34,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from physicsnemo_shardext import shard_registries
-from physicsnemo_shardext.builtins import handler_origin
+from physicsnemo_shardext.baseline import handler_origin
 from physicsnemo_shardext.declarations import PatchDeclaration
 from physicsnemo_shardext.errors import InvalidPatchDeclaration, PatchConflictError, ShardextWarning
 from physicsnemo_shardext.markers import DISTRIBUTION_NAME
 from physicsnemo_shardext.provenance import Conflict, InstalledPatch, PluginInfo, PluginReport
 from physicsnemo_shardext.resolution import Resolution, resolve_claims
-from physicsnemo_shardext.shard_registries import PatchLevel, SlotState
+from physicsnemo_shardext.shard_registries import PatchLevel, SlotKey, SlotState
+from physicsnemo_shardext.settings import current_name
 from physicsnemo_shardext.targets import infer_level, resolve_target
 from physicsnemo_shardext.trace import traced_handler
 
 __all__ = ["PatchRegistry"]
 
-SlotKey = tuple[PatchLevel, Any]
-
-
 @dataclass
 class _RegistryState:
-    """Everything :meth:`PatchRegistry.sandbox` must be able to put back."""
+    """Everything `PatchRegistry.sandbox` must be able to put back."""
 
     plugins: dict[str, tuple[PluginInfo, tuple[PatchDeclaration, ...]]] = field(default_factory=dict)
     prior: dict[SlotKey, SlotState] = field(default_factory=dict)
@@ -72,8 +70,8 @@ class PatchRegistry:
     Args:
         prefer: plugin or distribution names, most preferred first, that break
             equal-priority ties (``SHARDEXT_PREFER``).
-        strict: raise :class:`PatchConflictError` instead of warning on an unresolved tie.
-        trace: wrap installed handlers to log each decision (see :mod:`physicsnemo_shardext.trace`).
+        strict: raise `PatchConflictError` instead of warning on an unresolved tie.
+        trace: wrap installed handlers to log each decision (see `physicsnemo_shardext.trace`).
     """
 
     def __init__(self, *, prefer: Sequence[str] = (), strict: bool = False, trace: bool = False) -> None:
@@ -159,9 +157,11 @@ class PatchRegistry:
     def set_prefer(self, prefer: Sequence[str]) -> None:
         """Change the tie-breaking preference (plugin or distribution names) and re-resolve.
 
-        Example::
-
-            physicsnemo_shardext.get_registry().set_prefer(["fast-conv", "other-conv"])
+        Examples:
+            >>> registry = PatchRegistry()
+            >>> registry.set_prefer(["fast-conv", "other-conv"])
+            >>> registry.prefer
+            ('fast-conv', 'other-conv')
         """
         previous = self.prefer
         self.prefer = tuple(prefer)
@@ -186,14 +186,21 @@ class PatchRegistry:
           entirely, built-in included, so ShardTensor takes the DTensor fallback.
           Give ``(target, level)`` tuples to choose a level other than the inferred one.
 
-        Example::
+        Examples:
+            Inside the block ``F.gelu`` has no handler, so ShardTensor takes the DTensor fallback:
 
-            with registry.disabled(targets=[torch.nn.functional.gelu]):
-                reference = model(x)      # through the DTensor fallback
+            >>> import torch.nn.functional as F
+            >>> import physicsnemo_shardext
+            >>> registry = physicsnemo_shardext.get_registry()
+            >>> with registry.disabled(targets=[F.gelu]):
+            ...     shard_registries.current_handler(PatchLevel.FUNCTION, F.gelu) is None
+            True
+            >>> registry.provenance(F.gelu).plugin.name
+            'pointwise'
         """
         saved = (self._state.disabled_plugins, self._state.disabled_targets)
         candidate = copy.copy(self._state)
-        candidate.disabled_plugins = saved[0] + tuple(plugins)
+        candidate.disabled_plugins = saved[0] + tuple(current_name(p) for p in plugins)
         candidate.disabled_targets = saved[1] | frozenset(self._slot_of(t) for t in targets)
         self._commit(candidate)
         try:

@@ -7,9 +7,9 @@ plugins were discovered or installed:
 2. a tie between plugins at the top is resolved by the user's preference list
    (``SHARDEXT_PREFER``: the earliest listed plugin among the tied ones wins);
 3. an unresolved tie installs no plugin handler for that slot and is reported
-   as a :class:`~physicsnemo_shardext.provenance.Conflict`.
+   as a `Conflict`.
 
-Example:
+Examples:
     >>> import torch
     >>> from physicsnemo_shardext.declarations import PatchDeclaration
     >>> from physicsnemo_shardext.provenance import PluginInfo
@@ -27,15 +27,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from physicsnemo_shardext.declarations import PatchDeclaration
 from physicsnemo_shardext.provenance import Conflict, PluginInfo
+from physicsnemo_shardext.shard_registries import SlotKey
 
 __all__ = ["Claim", "Resolution", "resolve_claims"]
 
 Claim = tuple[PluginInfo, PatchDeclaration]
-SlotKey = tuple[Any, Any]
 
 
 @dataclass(frozen=True)

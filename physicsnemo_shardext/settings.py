@@ -12,7 +12,7 @@ Variable               Meaning
 ``SHARDEXT_TRACE``     ``1``: log every handler decision (``op -> handler -> plugin``)
 =====================  =====================================================
 
-Example:
+Examples:
     >>> settings = Settings.from_env({"SHARDEXT_DISABLE": "a, b-dist", "SHARDEXT_STRICT": "1"})
     >>> settings.deny, settings.strict, settings.autoload
     (('a', 'b-dist'), True, True)
@@ -24,7 +24,22 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENVIRONMENT_VARIABLES", "Settings"]
+__all__ = ["ENVIRONMENT_VARIABLES", "RENAMED_PLUGINS", "Settings"]
+
+#: First-party plugins renamed in 0.2, old name -> new name. The old names keep
+#: working wherever a plugin is named (``SHARDEXT_DISABLE``/``_ONLY``/``_PREFER``,
+#: ``physicsnemo_shardext.disabled(plugins=...)``).
+RENAMED_PLUGINS: dict[str, str] = {"misc_ops": "layout_ops", "spectral": "indexing_einsum"}
+
+
+def current_name(name: str) -> str:
+    """``name`` with a renamed first-party plugin's old name replaced by its new one.
+
+    Examples:
+        >>> current_name("misc_ops"), current_name("fft")
+        ('layout_ops', 'fft')
+    """
+    return RENAMED_PLUGINS.get(name, name)
 
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     "SHARDEXT_AUTOLOAD": "0/false/no/off: do not discover and install plugins on import",
@@ -56,7 +71,7 @@ def _flag(value: str | None, default: bool, name: str) -> bool:
 def _names(value: str | None) -> tuple[str, ...]:
     if not value:
         return ()
-    return tuple(name.strip() for name in value.split(",") if name.strip())
+    return tuple(current_name(name.strip()) for name in value.split(",") if name.strip())
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ own code reads them through the class on every call.
 It also owns the fifth kind of slot, ``PatchLevel.ATTRIBUTE``: an attribute of
 a PhysicsNeMo class or module (``AttributeTarget(owner, name)``) that a plugin
 replaces, e.g. an autograd Function's ``backward``. The value the owner held
-when the framework first touched it is remembered (:func:`original_attribute`),
+when the framework first touched it is remembered (`original_attribute`),
 snapshots record only attributes that differ from it, and removing such a slot
 puts that original back.
 
-Example:
+Examples:
     >>> from physicsnemo_shardext import shard_registries
     >>> snap = shard_registries.snapshot()
     >>> shard_registries.restore(snap)
@@ -40,6 +40,8 @@ __all__ = [
     "PatchLevel",
     "RegistryChange",
     "RegistrySnapshot",
+    "SlotKey",
+    "SlotState",
     "current_handler",
     "iter_handlers",
     "original_attribute",
@@ -49,6 +51,7 @@ __all__ = [
     "restore_slot",
     "set_handler",
     "snapshot",
+    "table_name",
 ]
 
 REGISTRY_ATTRIBUTES: tuple[str, ...] = (
@@ -74,7 +77,7 @@ class PatchLevel(str, Enum):
     * ``DISPATCH``: ``__torch_dispatch__``, keyed by an aten ``OpOverload``;
       the handler is called with the op's own arguments, ``handler(*args, **kwargs)``.
     * ``ATTRIBUTE``: not a handler table but an attribute of a class or module
-      (:class:`AttributeTarget`), replaced by a value (for instance a fixed
+      (`AttributeTarget`), replaced by a value (for instance a fixed
       ``staticmethod``); used to correct PhysicsNeMo internals.
     """
 
@@ -88,9 +91,10 @@ class PatchLevel(str, Enum):
 class AttributeTarget:
     """The slot ``owner.name`` (owner: a class or module), hashable, compared by identity of ``owner``.
 
-    >>> import physicsnemo.domain_parallel.shard_tensor as st
-    >>> str(AttributeTarget(st._ShardTensorToDTensor, "backward"))
-    'physicsnemo.domain_parallel.shard_tensor._ShardTensorToDTensor.backward'
+    Examples:
+        >>> import physicsnemo.domain_parallel.shard_tensor as st
+        >>> str(AttributeTarget(st._ShardTensorToDTensor, "backward"))
+        'physicsnemo.domain_parallel.shard_tensor._ShardTensorToDTensor.backward'
     """
 
     owner: Any = field(compare=False)
@@ -143,15 +147,32 @@ def _replaced_attributes() -> tuple[tuple[AttributeTarget, Any], ...]:
     )
 
 
-def _table(level: PatchLevel | str) -> dict[Any, Callable]:
+SlotKey = tuple[PatchLevel, Any]
+"""One registry slot: ``(level, target)``; the key under which claims are resolved and patches installed."""
+
+_TABLE_NAMES: dict[PatchLevel, str] = {
+    PatchLevel.FUNCTION: "_function_registry",
+    PatchLevel.NAMED: "_named_function_registry",
+    PatchLevel.DISPATCH: "_dispatch_registry",
+}
+
+
+def table_name(level: PatchLevel | str) -> str:
+    """The ShardTensor attribute holding ``level``'s handlers (for dispatch, the table keyed by ``OpOverload``).
+
+    Examples:
+        >>> table_name("dispatch")
+        '_dispatch_registry'
+    """
     level = PatchLevel(level)
     if level is PatchLevel.ATTRIBUTE:
         raise ValueError("attribute slots are not a handler table")
-    if level is PatchLevel.FUNCTION:
-        return ShardTensor._function_registry
-    if level is PatchLevel.NAMED:
-        return ShardTensor._named_function_registry
-    return ShardTensor._dispatch_registry
+    return _TABLE_NAMES[level]
+
+
+def _table(level: PatchLevel | str) -> dict[Any, Callable]:
+    table: dict[Any, Callable] = getattr(ShardTensor, table_name(level))
+    return table
 
 
 @dataclass(frozen=True)
@@ -159,8 +180,8 @@ class RegistryChange:
     """One entry that differs between two snapshots.
 
     Attributes:
-        table: one of :data:`REGISTRY_ATTRIBUTES`, or ``"attributes"`` for a replaced attribute slot.
-        key: the entry's key (a callable, op name, ``OpOverload`` or :class:`AttributeTarget`);
+        table: one of `REGISTRY_ATTRIBUTES`, or ``"attributes"`` for a replaced attribute slot.
+        key: the entry's key (a callable, op name, ``OpOverload`` or `AttributeTarget`);
             ``None`` when the whole table attribute was rebound to another dict.
         before: the value in the earlier snapshot (``None``: absent).
         after: the value in the later snapshot (``None``: absent).
@@ -198,11 +219,12 @@ class RegistrySnapshot:
     def changes(self, later: RegistrySnapshot) -> list[RegistryChange]:
         """Every entry whose value (compared by identity) differs in ``later``, table by table.
 
-        >>> before = snapshot()
-        >>> ShardTensor._named_function_registry["demo.op.default"] = print
-        >>> [(c.table, c.key, c.after) for c in before.changes(snapshot())]
-        [('_named_function_registry', 'demo.op.default', <built-in function print>)]
-        >>> restore(before)
+        Examples:
+            >>> before = snapshot()
+            >>> ShardTensor._named_function_registry["demo.op.default"] = print
+            >>> [(c.table, c.key, c.after) for c in before.changes(snapshot())]
+            [('_named_function_registry', 'demo.op.default', <built-in function print>)]
+            >>> restore(before)
         """
         mine, theirs = self.as_dicts(), later.as_dicts()
         found = [
@@ -308,7 +330,7 @@ def capture_slot(level: PatchLevel, target: Any) -> SlotState:
 
 
 def restore_slot(level: PatchLevel, target: Any, state: SlotState) -> None:
-    """Put back what :func:`capture_slot` recorded, entry by entry."""
+    """Put back what `capture_slot` recorded, entry by entry."""
     main, by_name = state
     if PatchLevel(level) is PatchLevel.ATTRIBUTE:
         _write_attribute(target, main)

@@ -6,7 +6,7 @@ A *target* is what ShardTensor looks a handler up by: a Python callable
 checks that it exists and that the handler can be called the way its level
 calls it, and gives every target a readable name for messages and listings.
 
-Example:
+Examples:
     >>> import torch
     >>> from physicsnemo_shardext.targets import describe_target
     >>> describe_target(torch.roll), describe_target(torch.ops.aten.roll.default)
@@ -41,9 +41,10 @@ _PUBLIC_NAMESPACES: tuple[tuple[str, Any], ...] = (
 def describe_target(target: Any) -> str:
     """Return a stable, readable name for a target (used in messages, listings, config).
 
-    >>> import torch.nn.functional as F
-    >>> describe_target(F.max_pool2d), describe_target("mylib.op.default"), describe_target(torch.ops.aten.roll)
-    ('torch.nn.functional.max_pool2d', 'mylib.op.default', 'aten.roll')
+    Examples:
+        >>> import torch.nn.functional as F
+        >>> describe_target(F.max_pool2d), describe_target("mylib.op.default"), describe_target(torch.ops.aten.roll)
+        ('torch.nn.functional.max_pool2d', 'mylib.op.default', 'aten.roll')
     """
     if isinstance(target, (str, AttributeTarget)):
         return str(target)
@@ -62,8 +63,9 @@ def describe_target(target: Any) -> str:
 def describe_handler(handler: Callable) -> str:
     """Return ``module.qualname`` of a handler.
 
-    >>> describe_handler(describe_handler)
-    'physicsnemo_shardext.targets.describe_handler'
+    Examples:
+        >>> describe_handler(describe_handler)
+        'physicsnemo_shardext.targets.describe_handler'
     """
     module = getattr(handler, "__module__", None) or "?"
     qualname = getattr(handler, "__qualname__", None) or getattr(handler, "__name__", repr(handler))
@@ -103,8 +105,9 @@ def _custom_op_exists(name: str) -> bool:
 def infer_level(target: Any) -> PatchLevel:
     """Guess the level a target belongs to: OpOverload -> dispatch, str -> named, else function.
 
-    >>> infer_level(torch.roll).value
-    'function'
+    Examples:
+        >>> infer_level(torch.roll).value
+        'function'
     """
     if isinstance(target, torch._ops.OpOverload):
         return PatchLevel.DISPATCH
@@ -119,7 +122,7 @@ def resolve_target(target: Any, level: PatchLevel) -> Any:
     """Return the registry key for ``target`` at ``level`` or raise ``ValueError`` saying why.
 
     Function-level targets may be given as dotted strings (``"torch.roll"``);
-    attribute-level targets are :class:`AttributeTarget` whose owner has the attribute.
+    attribute-level targets are `AttributeTarget` whose owner has the attribute.
     """
     if level is PatchLevel.ATTRIBUTE:
         if not isinstance(target, AttributeTarget):
@@ -169,11 +172,12 @@ def _dispatch_call_shape(op: torch._ops.OpOverload) -> tuple[int, list[str]]:
 def validate_handler(handler: Any, level: PatchLevel, target: Any) -> None:
     """Raise ``ValueError`` unless ``handler`` can be called the way ``level`` calls it.
 
-    >>> validate_handler(lambda func, types, args, kwargs: None, PatchLevel.FUNCTION, torch.roll)
-    >>> validate_handler(lambda x: None, PatchLevel.FUNCTION, torch.roll)
-    Traceback (most recent call last):
-    ...
-    ValueError: function-level handlers are called as handler(func, types, args, kwargs); this one cannot take those arguments: too many positional arguments
+    Examples:
+        >>> validate_handler(lambda func, types, args, kwargs: None, PatchLevel.FUNCTION, torch.roll)
+        >>> validate_handler(lambda x: None, PatchLevel.FUNCTION, torch.roll)
+        Traceback (most recent call last):
+        ...
+        ValueError: function-level handlers are called as handler(func, types, args, kwargs); this one cannot take those arguments: too many positional arguments
     """
     if level is PatchLevel.ATTRIBUTE:
         if handler is None:

@@ -5,12 +5,12 @@ wrapper on the hot path. Turn it on with ``SHARDEXT_TRACE=1`` or
 ``physicsnemo_shardext.get_registry().set_trace(True)``; decisions are logged
 at INFO level on the ``physicsnemo_shardext.trace`` logger.
 
-:class:`HandlerRecorder` is the test-time counterpart: while it records, every
+`HandlerRecorder` is the test-time counterpart: while it records, every
 handler in ShardTensor's registries is wrapped so that each call (and what it
 returned or raised) is noted; the conformance check uses it to name the
 handler, and so the plugin, behind a wrong result.
 
-Example:
+Examples:
     >>> import logging
     >>> def handler(func, types, args, kwargs):
     ...     return "done"
@@ -64,8 +64,9 @@ def traced_handler(handler: Callable, *, target: str, plugin: str) -> Callable:
 def untraced(handler: Any) -> Any:
     """The handler inside a trace wrapper; any other object unchanged.
 
-    >>> untraced(print) is print
-    True
+    Examples:
+        >>> untraced(print) is print
+        True
     """
     # Read __dict__, not getattr: a handler object with a lenient __getattr__ must not look traced.
     own = getattr(handler, "__dict__", None)
@@ -74,13 +75,13 @@ def untraced(handler: Any) -> Any:
 
 @dataclass(frozen=True)
 class HandlerCall:
-    """One call ShardTensor made to a registered handler while a :class:`HandlerRecorder` recorded.
+    """One call ShardTensor made to a registered handler while a `HandlerRecorder` recorded.
 
     Attributes:
         level: the registry level of the slot.
         target: the slot's key (callable, op name or ``OpOverload``).
         handler: the handler that ran (trace wrappers removed).
-        phase: the label given to :meth:`HandlerRecorder.recording` (``"forward"``, ``"backward"``).
+        phase: the label given to `HandlerRecorder.recording` (``"forward"``, ``"backward"``).
         result_ids: ``id()`` of every tensor it returned (to find who produced a given output).
         error: ``"Type: message"`` of what it raised, else ``None``.
     """
@@ -99,12 +100,13 @@ class HandlerRecorder:
     Calls are appended when they end, so a handler called from inside another one
     comes first, and the first call with an ``error`` is where an exception started.
 
-    >>> import torch
-    >>> recorder = HandlerRecorder()
-    >>> with recorder.recording("forward"):
-    ...     _ = torch.ones(2) + 1          # plain tensors never reach ShardTensor's handlers
-    >>> recorder.calls
-    []
+    Examples:
+        >>> import torch
+        >>> recorder = HandlerRecorder()
+        >>> with recorder.recording("forward"):
+        ...     _ = torch.ones(2) + 1          # plain tensors never reach ShardTensor's handlers
+        >>> recorder.calls
+        []
     """
 
     def __init__(self) -> None:

@@ -37,8 +37,8 @@ def test_minimal_example_from_getting_started():
 
 @pytest.mark.parametrize(
     ("options", "model", "heights", "plugins"),
-    [([], "fno", "[17, 16]", {"fft", "spectral", "misc_ops"}),
-     (["--model", "afno", "--height", "36"], "afno", "[20, 16]", {"fft", "spectral", "afno"})],
+    [([], "fno", "[17, 16]", {"fft", "indexing_einsum", "layout_ops"}),
+     (["--model", "afno", "--height", "36"], "afno", "[20, 16]", {"fft", "indexing_einsum", "afno"})],
     ids=["fno", "afno"],
 )
 def test_fno_training_example_tracks_single_process(options, model, heights, plugins):

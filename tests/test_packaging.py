@@ -38,7 +38,7 @@ def test_wheel_declares_plugin_pytest_and_console_entry_points(wheel):
     text = wheel.read(entry_points).decode()
     section = text.split("[physicsnemo_shardext]\n", 1)[1].split("\n\n", 1)[0].splitlines()
     families = dict(line.split(" = ") for line in section)
-    for family in ("pointwise", "normalization", "convolution", "fft", "spectral", "fallback_fix"):
+    for family in ("pointwise", "normalization", "convolution", "fft", "indexing_einsum", "fallback_fix"):
         assert families[family] == f"physicsnemo_shardext.patches.{family}"
     for module in families.values():  # every first-party entry point names a module the wheel ships
         assert module.replace(".", "/") + ".py" in wheel.namelist()

@@ -248,3 +248,26 @@ def test_first_party_override_is_not_warned_about_but_recorded(fresh_registry, p
         warnings.simplefilter("error", ShardextWarning)
         fresh_registry.add_plugin(first_party, declarations)
     assert fresh_registry.provenance(F.interpolate).overrides_builtin
+
+
+def test_disabled_accepts_a_renamed_plugins_old_name():
+    import physicsnemo_shardext
+
+    registry = physicsnemo_shardext.get_registry()
+    record = registry.provenance(torch.Tensor.permute)
+    assert record is not None and record.plugin.name == "layout_ops"
+    with physicsnemo_shardext.disabled(plugins=["misc_ops"]):
+        inside = registry.provenance(torch.Tensor.permute)
+        assert inside is None or inside.plugin.name != "layout_ops"
+    assert registry.provenance(torch.Tensor.permute).plugin.name == "layout_ops"
+
+
+def test_old_name_in_shardext_disable_leaves_the_renamed_plugin_uninstalled(python_runner):
+    code = (
+        "import physicsnemo_shardext as s\n"
+        "print(sorted(r.plugin.name for r in s.get_registry().reports() if r.status.value == 'loaded'))\n"
+    )
+    result = python_runner(code, env={"SHARDEXT_DISABLE": "spectral"})
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.strip().splitlines()[-1]
+    assert "'indexing_einsum'" not in loaded and "'fft'" in loaded, loaded

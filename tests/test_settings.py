@@ -31,3 +31,12 @@ def test_bad_boolean_names_the_variable():
 
 def test_strict_description_covers_incompatible_plugins():
     assert "incompatible" in ENVIRONMENT_VARIABLES["SHARDEXT_STRICT"]
+
+
+@pytest.mark.parametrize(
+    "variable,field",
+    [("SHARDEXT_DISABLE", "deny"), ("SHARDEXT_ONLY", "allow"), ("SHARDEXT_PREFER", "prefer")],
+)
+def test_renamed_plugins_keep_their_old_names(variable, field):
+    settings = Settings.from_env({variable: "misc_ops,spectral"})
+    assert getattr(settings, field) == ("layout_ops", "indexing_einsum")

@@ -1,15 +1,36 @@
-"""Building blocks for shard patches: layouts of uneven shards and row exchanges between ranks.
+"""The handler vocabulary: every first-party patch is written with these names, and yours can be too.
 
-Example::
+A shard handler takes five steps, and each has its primitive here (patches import
+only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 
-    from physicsnemo_shardext.primitives import dim_layout, gather_global_indices, halo_indices
+1. **bind** the call against the reference callable: `bind_arguments`,
+   `expand_to` (scalar-or-tuple arguments);
+2. **gate** what the handler does not take: `require_shard_input`,
+   `is_partial`, `normalize_dim`; hand the rest to what was replaced
+   with `delegate` (or call the DTensor path directly with `fallback`);
+3. **plan** without communication: `sharded_dims`, `dim_layout`,
+   `DimLayout`, `sharding_mesh_dims`, `plan_exchange`,
+   `halo_indices`, `split_rows_by_owner`, `balanced_split_sizes`;
+4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
+   `transpose_shard`, `gather_full`, and the three gradient contracts
+   `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated`;
+   replicated operands through `replicated_local` / `replicated_part`;
+5. **compute locally and wrap**: `from_local_like`, `build_shard_tensor`,
+   with `tie_to_graph` / `connected_zeros` keeping an empty shard in
+   the backward graph, and `sharded_allocations` for factory calls.
 
-    layout = dim_layout(x, 2)
-    padded = gather_global_indices(x.to_local(), layout, lambda c: halo_indices(layout, c, 1, 1))
+Examples:
+    >>> from physicsnemo_shardext.primitives import DimLayout, halo_indices
+    >>> layout = DimLayout(tensor_dim=2, mesh_dim=0, sizes=(10, 7), coord=1, mesh=None)
+    >>> halo_indices(layout, 1, 1, 1)[:3]     # rank 1's rows with one halo row each side
+    [9, 10, 11]
 """
 
-from physicsnemo_shardext.primitives.checks import normalize_dim, require_shard_input
+from physicsnemo_shardext.primitives.allocation import sharded_allocations
+from physicsnemo_shardext.primitives.arguments import bind_arguments, expand_to
+from physicsnemo_shardext.primitives.checks import is_partial, normalize_dim, require_shard_input
 from physicsnemo_shardext.primitives.delegation import delegate, fallback
+from physicsnemo_shardext.primitives.graph import connected_zeros, tie_to_graph
 from physicsnemo_shardext.primitives.index_exchange import (
     ExchangePlan,
     gather_global_indices,
@@ -22,20 +43,44 @@ from physicsnemo_shardext.primitives.layout import (
     dim_layout,
     from_local_like,
     sharded_dims,
+    sharding_mesh_dims,
+    split_rows_by_owner,
 )
+from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated
+from physicsnemo_shardext.primitives.replicated import gather_full, replicated_local, replicated_part
+from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
+from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
     "DimLayout",
     "ExchangePlan",
+    "all_reduce_sum",
+    "balanced_split_sizes",
+    "bind_arguments",
     "build_shard_tensor",
+    "connected_zeros",
     "delegate",
+    "describe_target",
     "dim_layout",
+    "expand_to",
     "fallback",
     "from_local_like",
+    "gather_full",
     "gather_global_indices",
     "halo_indices",
+    "is_partial",
+    "move_shard",
     "normalize_dim",
     "plan_exchange",
+    "replicated_local",
+    "replicated_part",
     "require_shard_input",
+    "sharded_allocations",
     "sharded_dims",
+    "sharding_mesh_dims",
+    "split_rows_by_owner",
+    "sum_grad_over",
+    "sum_to_replicated",
+    "tie_to_graph",
+    "transpose_shard",
 ]

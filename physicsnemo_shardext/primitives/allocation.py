@@ -5,7 +5,7 @@ Layers such as PhysicsNeMo's ``AFNO2DLayer`` allocate full-size buffers with
 then fill regions of them with sharded values. A plain buffer can only hold
 such values replicated, so everything computed from it would run redundantly on
 every rank, and a ``Replicate`` DTensor parameter meeting the plain buffer is an
-error in DTensor. Inside :class:`sharded_allocations`, a factory call whose
+error in DTensor. Inside `sharded_allocations`, a factory call whose
 shape lines up with a ShardTensor seen earlier in the same block on every one of
 its sharded dims (same global size) instead returns a ShardTensor with that
 tensor's placements and row split. The global value is the same (zeros are zeros),
@@ -15,11 +15,21 @@ Only ``torch.zeros``/``ones``/``empty``/``full`` with an explicit shape are
 rewritten, and only when the caller did not ask for ``requires_grad``; every
 other call is untouched.
 
-Example (2 ranks, ``x`` sharded on dim 1)::
+Examples:
+    On 2 ranks, ``x`` of global shape ``(4, 6)`` split 4/2 on dim 1; the buffer
+    allocated from its global shape comes out split the same way:
 
-    with sharded_allocations():
-        spectrum = torch.fft.rfft2(x, dim=(1, 2))            # seen: sharded on dim 2
-        buffer = torch.zeros(spectrum.shape, dtype=torch.cfloat)  # a ShardTensor split like spectrum
+    >>> import torch
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> x = shard_tensor(torch.arange(24.0).reshape(4, 6), mesh, [Shard(1)], [4, 2])
+    >>> with sharded_allocations():
+    ...     y = x * 2
+    ...     buffer = torch.zeros(y.shape)
+    >>> type(buffer).__name__, tuple(buffer.to_local().shape) == [(4, 4), (4, 2)][rank]
+    ('ShardTensor', True)
+    >>> torch.equal(buffer.full_tensor(), torch.zeros(4, 6))
+    True
 """
 
 from __future__ import annotations
@@ -60,10 +70,14 @@ class sharded_allocations(TorchFunctionMode):  # noqa: N801 - used like a functi
     ShardTensors produced or consumed in the scope are remembered (newest first);
     a factory call is sharded like the newest one that matches its shape.
 
-    Example::
+    Examples:
+        Layer code runs unchanged; its ``torch.zeros`` buffers are sharded
+        (here ``layer_forward`` stands for a layer such as ``AFNO2DLayer.forward``):
 
+        ```python
         with sharded_allocations():
-            out = layer_forward(x)      # layer code unchanged; its torch.zeros buffers are sharded
+            out = layer_forward(x)
+        ```
     """
 
     def __init__(self) -> None:

@@ -3,13 +3,14 @@
 Each raises ``MissingShardPatch`` (or ``IndexError`` for an out-of-range dim, as
 torch does) with the op's name, so a refused call says which op and why.
 
->>> import torch
->>> normalize_dim(torch.roll, -1, 4)
-3
->>> normalize_dim(torch.roll, "h", 4)
-Traceback (most recent call last):
-...
-physicsnemo.domain_parallel.shard_utils.patch_core.MissingShardPatch: torch.roll: dim='h' is not supported on ShardTensor (an int dim is)
+Examples:
+    >>> import torch
+    >>> normalize_dim(torch.roll, -1, 4)
+    3
+    >>> normalize_dim(torch.roll, "h", 4)
+    Traceback (most recent call last):
+    ...
+    physicsnemo.domain_parallel.shard_utils.patch_core.MissingShardPatch: torch.roll: dim='h' is not supported on ShardTensor (an int dim is)
 """
 
 from __future__ import annotations
@@ -18,26 +19,55 @@ from collections.abc import Callable
 from typing import Any
 
 from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor
 
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.targets import describe_target
 
-__all__ = ["normalize_dim", "require_shard_input"]
+__all__ = ["is_partial", "normalize_dim", "require_shard_input"]
 
 
-def require_shard_input(func: Callable, x: Any, why_partial: str = "") -> ShardTensor:
+def is_partial(x: Any) -> bool:
+    """Whether ``x`` is a ShardTensor or DTensor with a ``Partial`` placement (a pending sum over ranks).
+
+    The gate for handlers that hand partial sums to the handler they replaced:
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributed.tensor import Partial, Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> is_partial(shard_tensor(torch.zeros(4), mesh, [Shard(0)], [3, 1]))
+        False
+        >>> is_partial(ShardTensor.from_local(torch.zeros(4), mesh, [Partial()], sharding_shapes={}))
+        True
+        >>> is_partial(torch.zeros(4))
+        False
+    """
+    placements: Any = getattr(x, "placements", None) if isinstance(x, (ShardTensor, DTensor)) else None
+    return bool(placements) and any(p.is_partial() for p in placements)
+
+
+def require_shard_input(func: Callable[..., Any], x: Any, why_partial: str = "") -> ShardTensor:
     """``x`` if it is a ShardTensor without ``Partial`` placements; else refuse naming ``func``.
 
     ``why_partial`` adds the op-specific reason a partial sum cannot be used.
 
-    Example::
-
-        x = require_shard_input(torch.flip, args[0])
+    Examples:
+        >>> import torch
+        >>> from torch.distributed.tensor import Partial, Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.zeros(4), mesh, [Shard(0)], [3, 1])
+        >>> require_shard_input(torch.flip, x) is x
+        True
+        >>> require_shard_input(torch.flip, torch.zeros(4))
+        Traceback (most recent call last):
+        ...
+        physicsnemo.domain_parallel.shard_utils.patch_core.MissingShardPatch: torch.flip: the sharded tensor must be the input (got Tensor)
     """
     name = describe_target(func)
     if not isinstance(x, ShardTensor):
         raise MissingShardPatch(f"{name}: the sharded tensor must be the input (got {type(x).__name__})")
-    if any(p.is_partial() for p in x._spec.placements):
+    if is_partial(x):
         reason = f" ({why_partial})" if why_partial else ""
         raise MissingShardPatch(
             f"{name}: input has a Partial placement {tuple(x._spec.placements)}; "
@@ -46,7 +76,7 @@ def require_shard_input(func: Callable, x: Any, why_partial: str = "") -> ShardT
     return x
 
 
-def normalize_dim(func: Callable, dim: Any, ndim: int) -> int:
+def normalize_dim(func: Callable[..., Any], dim: Any, ndim: int) -> int:
     """``dim`` as a non-negative int for an ``ndim``-d tensor; named dims are refused."""
     name = describe_target(func)
     if isinstance(dim, bool) or not isinstance(dim, int):

@@ -2,7 +2,7 @@
 
 The override rule: a first-party handler that replaces PhysicsNeMo's built-in or
 the DTensor fallback handles the configurations it was written for and hands
-every other one to what it replaced. :func:`delegate` is that hand-over: the
+every other one to what it replaced. `delegate` is that hand-over: the
 baseline (pre-plugin) handler for ``func`` if PhysicsNeMo has one, else
 PhysicsNeMo's DTensor fallback, looked up when called so that fixes installed on
 the fallback (see the ``fallback_fix`` plugin) apply to delegated calls too.
@@ -10,13 +10,27 @@ the fallback (see the ``fallback_fix`` plugin) apply to delegated calls too.
 ``MissingShardPatch`` is for the configurations where the delegate, too, would
 fail or be wrong; everything else delegates.
 
-Example::
+Examples:
+    A handler hands the configurations it does not handle back
+    (here ``handles`` stands for the handler's own test):
 
+    ```python
     def my_handler(func, types, args, kwargs):
         x = args[0]
         if not handles(x):
             return delegate(func, types, args, kwargs)   # built-in or DTensor fallback
         ...
+    ```
+
+    On 2 ranks, an op without a built-in goes through the DTensor fallback:
+
+    >>> import torch
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.arange(12.0).reshape(4, 3)
+    >>> x = shard_tensor(full, mesh, [Shard(0)], [3, 1])
+    >>> torch.equal(delegate(torch.neg, (), (x,), {}).full_tensor(), -full)
+    True
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from typing import Any
 
 from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 
-from physicsnemo_shardext.builtins import builtin_handler
+from physicsnemo_shardext.baseline import builtin_handler
 
 __all__ = ["delegate", "fallback"]
 
@@ -34,9 +48,14 @@ __all__ = ["delegate", "fallback"]
 def fallback(func: Callable, args: tuple, kwargs: dict | None = None) -> Any:
     """Run ``func`` through PhysicsNeMo's DTensor fallback (as ShardTensor does for an unpatched op).
 
-    Example::
-
-        out = fallback(torch.cat, (tensors,), {"dim": 1})
+    Examples:
+        >>> import torch
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(12.0).reshape(4, 3)
+        >>> x = shard_tensor(full, mesh, [Shard(0)], [2, 2])
+        >>> torch.equal(fallback(torch.cat, ((x, x),), {"dim": 1}).full_tensor(), torch.cat((full, full), 1))
+        True
     """
     # Looked up on the module at call time: a plugin may have corrected the fallback.
     return _shard_tensor_module._torch_function_fallback_via_dtensor(func, args, kwargs or {})
@@ -45,10 +64,13 @@ def fallback(func: Callable, args: tuple, kwargs: dict | None = None) -> Any:
 def delegate(func: Callable, types: tuple, args: tuple, kwargs: dict | None) -> Any:
     """Run the handler ``func`` had before any plugin (PhysicsNeMo's built-in), else the DTensor fallback.
 
-    Example::
+    Examples:
+        A handler that does not handle ``Partial`` inputs:
 
-        if any(p.is_partial() for p in x._spec.placements):
+        ```python
+        if is_partial(x):
             return delegate(func, types, args, kwargs)
+        ```
     """
     kwargs = kwargs or {}
     builtin = builtin_handler(func)

@@ -4,7 +4,7 @@ Halo exchanges (of any width, even wider than a neighbour's tiny shard),
 periodic wrap-around, reversal (flip), shifts (roll) and re-splitting are all
 the same operation: each rank names the *global* row indices it needs along one
 sharded dimension, and receives exactly those rows, in that order.
-:func:`gather_global_indices` does it with one ``all_to_all_single`` that moves
+`gather_global_indices` does it with one ``all_to_all_single`` that moves
 only rows that cross ranks (rows a rank already holds are copied locally), and
 skips the collective when no row crosses. It is differentiable: the backward
 sends each gradient row back to its owner and accumulates repeats.
@@ -12,13 +12,19 @@ sends each gradient row back to its owner and accumulates repeats.
 Every rank must be able to compute what *every* coordinate wants (``wanted_by``
 is evaluated for all coordinates on each rank), so no request is exchanged.
 
-Example (2 ranks, rows split 10/7; each rank gets a one-row halo on both sides)::
+Examples:
+    On 2 ranks, rows split 10/7; each rank gets a one-row halo on both sides
+    (rank 0: 11 rows, rank 1: 8 rows):
 
-    layout = dim_layout(x, 2)
-    def wanted_by(coord):
-        start, stop = layout.offsets[coord], layout.offsets[coord] + layout.sizes[coord]
-        return [i for i in range(start - 1, stop + 1) if 0 <= i < layout.total]
-    padded = gather_global_indices(x.to_local(), layout, wanted_by)   # rank 0: 11 rows, rank 1: 8 rows
+    >>> import torch
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.primitives import dim_layout
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> x = shard_tensor(torch.arange(17.0).reshape(17, 1), mesh, [Shard(0)], [10, 7])
+    >>> layout = dim_layout(x, 0)
+    >>> padded = gather_global_indices(x.to_local(), layout, lambda c: halo_indices(layout, c, 1, 1))
+    >>> padded[:, 0].tolist() == [list(range(0, 11)), list(range(9, 17))][rank]
+    True
 """
 
 from __future__ import annotations
@@ -64,10 +70,11 @@ def _wanted(wanted_by: WantedBy, coord: int) -> list[int]:
 def plan_exchange(layout: DimLayout, wanted_by: WantedBy) -> ExchangePlan:
     """Work out the exchange for this rank; identical inputs give consistent plans on all ranks.
 
-    >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3, 2), coord=0, mesh=None)
-    >>> plan = plan_exchange(layout, [[0, 1, 2, 3], [2, 3, 4]])
-    >>> plan.send_rows, plan.recv_positions, plan.self_rows, plan.crosses
-    (((), (2,)), ((), (3,)), (0, 1, 2), True)
+    Examples:
+        >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3, 2), coord=0, mesh=None)
+        >>> plan = plan_exchange(layout, [[0, 1, 2, 3], [2, 3, 4]])
+        >>> plan.send_rows, plan.recv_positions, plan.self_rows, plan.crosses
+        (((), (2,)), ((), (3,)), (0, 1, 2), True)
     """
     me = layout.coord
     send_rows: list[tuple[int, ...]] = []
@@ -163,20 +170,32 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
 
     Args:
         local: this rank's shard (a plain tensor, e.g. ``x.to_local()``).
-        layout: the sharded dimension's layout (:func:`~physicsnemo_shardext.primitives.layout.dim_layout`).
+        layout: the sharded dimension's layout (`dim_layout`).
         wanted_by: for each coordinate, the global rows it wants (a callable or a list per coordinate).
             Indices may repeat and come in any order; all must lie in ``[0, layout.total)``.
 
     Every rank along the mesh dimension must call it with the same ``wanted_by``.
 
-    Example::
+    Examples:
+        Flip a dim split 10/7 over 2 ranks: each rank asks for the mirrored rows of its own range.
 
-        flipped = gather_global_indices(local, layout, lambda c: [layout.total - 1 - i for i in range_of(c)])
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.primitives import dim_layout
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(17.0).reshape(17, 1), mesh, [Shard(0)], [10, 7])
+        >>> layout = dim_layout(x, 0)
+        >>> def mirrored(c):
+        ...     start = layout.offsets[c]
+        ...     return [layout.total - 1 - i for i in range(start, start + layout.sizes[c])]
+        >>> flipped = gather_global_indices(x.to_local(), layout, mirrored)
+        >>> flipped[:, 0].tolist() == [list(range(16, 6, -1)), list(range(6, -1, -1))][rank]
+        True
     """
-    plan = plan_exchange(layout, wanted_by)
-    rows_first = local.movedim(layout.tensor_dim, 0)
-    out = _GatherGlobalIndices.apply(rows_first, layout, plan)
-    return out.movedim(0, layout.tensor_dim)
+    with torch.profiler.record_function("shardext.gather_global_indices"):
+        plan = plan_exchange(layout, wanted_by)
+        rows_first = local.movedim(layout.tensor_dim, 0)
+        out = _GatherGlobalIndices.apply(rows_first, layout, plan)
+        return out.movedim(0, layout.tensor_dim)
 
 
 def halo_indices(layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False) -> list[int]:
@@ -185,9 +204,10 @@ def halo_indices(layout: DimLayout, coord: int, before: int, after: int, periodi
     Non-periodic: rows outside the global range are dropped (the caller pads the
     global boundary itself). Periodic: they wrap around.
 
-    >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3, 2), coord=0, mesh=None)
-    >>> halo_indices(layout, 0, 1, 1), halo_indices(layout, 0, 1, 1, periodic=True)
-    ([0, 1, 2, 3], [4, 0, 1, 2, 3])
+    Examples:
+        >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3, 2), coord=0, mesh=None)
+        >>> halo_indices(layout, 0, 1, 1), halo_indices(layout, 0, 1, 1, periodic=True)
+        ([0, 1, 2, 3], [4, 0, 1, 2, 3])
     """
     start = layout.offsets[coord]
     stop = start + layout.sizes[coord]

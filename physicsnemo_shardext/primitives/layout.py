@@ -3,15 +3,21 @@
 A patch that works along one sharded tensor dimension needs to know, for that
 dimension, how many rows every rank along the mesh dimension holds, where its
 own rows start in the global tensor, and which process group connects those
-ranks. :class:`DimLayout` gathers exactly that from a ShardTensor's spec, without
+ranks. `DimLayout` gathers exactly that from a ShardTensor's spec, without
 communication: the spec already carries every shard's shape.
 
-Example (2 ranks, height 17 split 10/7, on rank 1)::
+Examples:
+    On 2 ranks, height 17 split 10/7:
 
-    layout = dim_layout(x, 2)
-    layout.sizes, layout.coord, layout.start, layout.stop   # (10, 7), 1, 10, 17
-    y_local = some_local_op(x.to_local())                   # changes dim 1 only
-    y = from_local_like(y_local, x)                         # same row split as x
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> x = shard_tensor(torch.arange(68.0).reshape(1, 1, 17, 4), mesh, [Shard(2)], [10, 7])
+    >>> layout = dim_layout(x, 2)
+    >>> layout.sizes, layout.coord == rank, layout.stop - layout.start == (10, 7)[rank]
+    ((10, 7), True, True)
+    >>> y = from_local_like(x.to_local() * 2, x)       # same row split as x
+    >>> torch.equal(y.full_tensor(), 2 * x.full_tensor())
+    True
 """
 
 from __future__ import annotations
@@ -28,7 +34,15 @@ from torch.distributed.tensor import Placement, Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
 
-__all__ = ["DimLayout", "build_shard_tensor", "dim_layout", "from_local_like", "sharded_dims"]
+__all__ = [
+    "DimLayout",
+    "build_shard_tensor",
+    "dim_layout",
+    "from_local_like",
+    "sharded_dims",
+    "sharding_mesh_dims",
+    "split_rows_by_owner",
+]
 
 
 @dataclass(frozen=True)
@@ -42,11 +56,12 @@ class DimLayout:
         coord: this rank's coordinate along ``mesh_dim``.
         mesh: the device mesh.
 
-    >>> layout = DimLayout(tensor_dim=2, mesh_dim=0, sizes=(10, 7), coord=1, mesh=None)
-    >>> layout.offsets, layout.start, layout.stop, layout.total, layout.local_size
-    ((0, 10), 10, 17, 17, 7)
-    >>> layout.owner_of(12), layout.owner_of(3)
-    (1, 0)
+    Examples:
+        >>> layout = DimLayout(tensor_dim=2, mesh_dim=0, sizes=(10, 7), coord=1, mesh=None)
+        >>> layout.offsets, layout.start, layout.stop, layout.total, layout.local_size
+        ((0, 10), 10, 17, 17, 7)
+        >>> layout.owner_of(12), layout.owner_of(3)
+        (1, 0)
     """
 
     tensor_dim: int
@@ -98,12 +113,6 @@ class DimLayout:
                 return coord
         raise AssertionError("unreachable: a non-empty dimension has an owner for every row")
 
-    def with_sizes(self, sizes: Sequence[int]) -> DimLayout:
-        """The same dimension and mesh with other row counts (e.g. an op's output)."""
-        if len(sizes) != self.parts:
-            raise ValueError(f"{len(sizes)} sizes for {self.parts} coordinates")
-        return DimLayout(self.tensor_dim, self.mesh_dim, tuple(int(s) for s in sizes), self.coord, self.mesh)
-
     @property
     def group(self) -> dist.ProcessGroup:
         """Process group of the ranks along ``mesh_dim`` (this rank included)."""
@@ -123,7 +132,7 @@ class DimLayout:
         return tuple(dist.get_group_rank(group, g) for g in globals_along_dim)
 
 
-def _shard_mesh_dims(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:
+def _mesh_dims_by_tensor_dim(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:
     """tensor dim -> mesh dims that shard it."""
     by_dim: dict[int, list[int]] = {}
     for mesh_dim, placement in enumerate(placements):
@@ -138,16 +147,19 @@ def sharded_dims(x: ShardTensor) -> dict[int, DimLayout]:
     Raises ``MissingShardPatch`` if a tensor dimension is sharded over more than
     one mesh dimension (nested sharding), which no layout here describes.
 
-    Example::
-
-        {d: l.sizes for d, l in sharded_dims(x).items()}   # {2: (10, 7)}
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.zeros(1, 3, 17, 4), mesh, [Shard(2)], [10, 7])
+        >>> {d: layout.sizes for d, layout in sharded_dims(x).items()}
+        {2: (10, 7)}
     """
     spec = x._spec
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
     shapes = spec.sharding_shapes()
     layouts: dict[int, DimLayout] = {}
-    for tensor_dim, mesh_dims in _shard_mesh_dims(spec.placements, x.ndim).items():
+    for tensor_dim, mesh_dims in _mesh_dims_by_tensor_dim(spec.placements, x.ndim).items():
         if len(mesh_dims) > 1:
             raise MissingShardPatch(
                 f"tensor dim {tensor_dim} is sharded over mesh dims {mesh_dims} at once "
@@ -162,9 +174,12 @@ def sharded_dims(x: ShardTensor) -> dict[int, DimLayout]:
 def dim_layout(x: ShardTensor, tensor_dim: int) -> DimLayout | None:
     """Layout of ``tensor_dim`` of ``x``, or ``None`` if that dimension is not sharded.
 
-    Example::
-
-        layout = dim_layout(x, -2)   # negative dims are normalized
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.zeros(1, 3, 17, 4), mesh, [Shard(2)], [10, 7])
+        >>> dim_layout(x, -2).tensor_dim, dim_layout(x, 3)     # negative dims are normalized
+        (2, None)
     """
     return sharded_dims(x).get(tensor_dim % x.ndim)
 
@@ -173,28 +188,31 @@ def build_shard_tensor(
     local: torch.Tensor,
     mesh: DeviceMesh,
     placements: Sequence[Placement],
-    dim_sizes: Mapping[int, Sequence[int]],
+    sizes_by_tensor_dim: Mapping[int, Sequence[int]],
 ) -> ShardTensor:
     """Wrap ``local`` as a ShardTensor whose sharded dims have the given per-coordinate row counts.
 
-    ``dim_sizes`` maps each sharded tensor dim to its row count per coordinate; the
+    ``sizes_by_tensor_dim`` maps each sharded tensor dim to its row count per coordinate; the
     other dimensions of every shard in a group equal ``local``'s (ranks along one
     mesh dim share their coordinates on the others). No communication.
 
-    Example::
-
-        build_shard_tensor(local, mesh, [Shard(2)], {2: [10, 7]})
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> local = torch.ones(1, 1, (10, 7)[rank], 4)
+        >>> x = build_shard_tensor(local, mesh, [Shard(2)], {2: [10, 7]})
+        >>> tuple(x.shape), dim_layout(x, 2).sizes
+        ((1, 1, 17, 4), (10, 7))
     """
     local_shape = tuple(local.shape)
     sharding_shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
-    for tensor_dim, mesh_dims in _shard_mesh_dims(placements, local.ndim).items():
+    for tensor_dim, mesh_dims in _mesh_dims_by_tensor_dim(placements, local.ndim).items():
         if len(mesh_dims) > 1:
             raise MissingShardPatch(f"nested sharding of tensor dim {tensor_dim} over mesh dims {mesh_dims}")
-        sizes = [int(s) for s in dim_sizes[tensor_dim]]
+        sizes = [int(s) for s in sizes_by_tensor_dim[tensor_dim]]
         (mesh_dim,) = mesh_dims
         if len(sizes) != mesh.size(mesh_dim):
             raise ValueError(f"dim {tensor_dim}: {len(sizes)} sizes for a mesh dim of size {mesh.size(mesh_dim)}")
-        coord = mesh.get_coordinate()[mesh_dim]
+        coord = mesh.get_coordinate()[mesh_dim]  # type: ignore[index]  # this rank is in the mesh
         if sizes[coord] != local_shape[tensor_dim]:
             raise ValueError(
                 f"dim {tensor_dim}: this rank (coordinate {coord}) holds {local_shape[tensor_dim]} rows, "
@@ -209,20 +227,58 @@ def build_shard_tensor(
 def from_local_like(
     local: torch.Tensor,
     like: ShardTensor,
-    sizes: Mapping[int, Sequence[int]] | None = None,
+    sizes_by_tensor_dim: Mapping[int, Sequence[int]] | None = None,
     placements: Sequence[Placement] | None = None,
 ) -> ShardTensor:
     """Wrap ``local`` with ``like``'s mesh and placements; row counts from ``like`` unless overridden.
 
     Use it when an op keeps the sharded dims (possibly changing their lengths,
-    given in ``sizes``) and changes only local dims (channels, batch...).
+    given per tensor dim in ``sizes_by_tensor_dim``) and changes only local dims
+    (channels, batch...).
 
-    Example::
-
-        y = from_local_like(torch.relu(x.to_local()), x)
-        z = from_local_like(z_local, x, sizes={2: [5, 4]})   # output rows per coordinate
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.linspace(-1, 1, 17 * 4).reshape(1, 1, 17, 4), mesh, [Shard(2)], [10, 7])
+        >>> y = from_local_like(torch.relu(x.to_local()), x)
+        >>> torch.equal(y.full_tensor(), torch.relu(x.full_tensor()))
+        True
+        >>> z = from_local_like(x.to_local()[:, :, ::2], x, sizes_by_tensor_dim={2: [5, 4]})   # output rows
+        >>> tuple(z.shape)
+        (1, 1, 9, 4)
     """
     placements = tuple(like._spec.placements if placements is None else placements)
-    dim_sizes = {d: layout.sizes for d, layout in sharded_dims(like).items()}
-    dim_sizes.update({d % local.ndim: tuple(s) for d, s in (sizes or {}).items()})
-    return build_shard_tensor(local, like._spec.mesh, placements, dim_sizes)
+    sizes = {d: layout.sizes for d, layout in sharded_dims(like).items()}
+    sizes.update({d % local.ndim: tuple(s) for d, s in (sizes_by_tensor_dim or {}).items()})
+    return build_shard_tensor(local, like._spec.mesh, placements, sizes)
+
+
+def sharding_mesh_dims(x: ShardTensor) -> list[int]:
+    """The mesh dims on which ``x`` is ``Shard``, in order: where a replicated operand's gradient is summed.
+
+    Examples:
+        >>> from torch.distributed.tensor import Replicate, Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> sharding_mesh_dims(shard_tensor(torch.zeros(4, 6), mesh, [Shard(1)], [3, 3]))
+        [0]
+        >>> sharding_mesh_dims(shard_tensor(torch.zeros(4, 6), mesh, [Replicate()]))
+        []
+    """
+    return [mesh_dim for mesh_dim, p in enumerate(x._spec.placements) if isinstance(p, Shard)]
+
+
+def split_rows_by_owner(layout: DimLayout, anchors: Sequence[int]) -> list[tuple[int, int]]:
+    """Output rows per coordinate: row ``j`` goes to the owner of input row ``anchors[j]`` (non-decreasing).
+
+    Examples:
+        >>> split_rows_by_owner(DimLayout(0, 0, (3, 0, 2), 0, None), [0, 2, 2, 4])
+        [(0, 3), (3, 3), (3, 4)]
+    """
+    counts = [0] * layout.parts
+    for anchor in anchors:
+        counts[layout.owner_of(anchor)] += 1
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges

@@ -12,11 +12,27 @@ hands to the collective is ``local_bytes * (1 - dst_sizes[coord] / dst_total)``.
 The operation is differentiable: its backward is the reverse move (destination
 back to source, with the source sizes), one all-to-all of the gradient.
 
-Example (2 ranks; x is (4, 5) split 3/2 on dim 0; afterwards dim 1 is split 3/2)::
+Examples:
+    On 2 ranks, ``xs`` of shape ``(4, 5)`` split 3/1 on dim 0; afterwards dim 1 is split 3/2:
 
-    layout = dim_layout(xs, 0)                        # sizes (3, 2)
-    y_local = move_shard(xs.to_local(), layout, 1, [3, 2])   # rank 0: (4, 3); rank 1: (4, 2)
-    ys = transpose_shard(xs, 0, 1)                    # the same on ShardTensors (placements updated)
+    >>> import torch
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.primitives import dim_layout
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.arange(20.0).reshape(4, 5)
+    >>> xs = shard_tensor(full, mesh, [Shard(0)], [3, 1])
+    >>> layout = dim_layout(xs, 0)
+    >>> layout.sizes
+    (3, 1)
+    >>> y_local = move_shard(xs.to_local(), layout, 1, [3, 2])
+    >>> tuple(y_local.shape) == [(4, 3), (4, 2)][rank]
+    True
+
+    The same on ShardTensors, placements updated:
+
+    >>> ys = transpose_shard(xs, 0, 1, [3, 2])
+    >>> ys.placements, torch.equal(ys.full_tensor(), full)
+    ((Shard(dim=1),), True)
 """
 
 from __future__ import annotations
@@ -31,14 +47,15 @@ from torch.distributed.tensor import Shard
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 
-__all__ = ["balanced_sizes", "move_shard", "transpose_shard"]
+__all__ = ["balanced_split_sizes", "move_shard", "transpose_shard"]
 
 
-def balanced_sizes(total: int, parts: int) -> tuple[int, ...]:
+def balanced_split_sizes(total: int, parts: int) -> tuple[int, ...]:
     """Split ``total`` rows over ``parts`` coordinates, sizes differing by at most one, larger first.
 
-    >>> balanced_sizes(5, 2), balanced_sizes(2, 4)
-    ((3, 2), (1, 1, 0, 0))
+    Examples:
+        >>> balanced_split_sizes(5, 2), balanced_split_sizes(2, 4)
+        ((3, 2), (1, 1, 0, 0))
     """
     base, extra = divmod(total, parts)
     return tuple(base + (1 if c < extra else 0) for c in range(parts))
@@ -137,40 +154,53 @@ def move_shard(
             and the whole of ``dst_dim``.
         layout: the source dimension's layout (sizes per coordinate, mesh dim, group).
         dst_dim: the dimension to split afterwards (complete in ``local``).
-        dst_sizes: rows of ``dst_dim`` per coordinate afterwards; default :func:`balanced_sizes`.
+        dst_sizes: rows of ``dst_dim`` per coordinate afterwards; default `balanced_split_sizes`.
 
     Returns:
         The new local block. Every rank along ``layout.mesh_dim`` must call it with the
         same arguments (one ``all_to_all_single``, skipped when nothing crosses ranks).
 
-    Example::
+    Examples:
+        On 2 ranks, ``x`` of shape ``(1, 1, 5, 4)`` split 3/2 on H becomes H complete, W split 2/2:
 
-        y = move_shard(x.to_local(), dim_layout(x, 2), 3)   # H complete, W split
+        >>> from physicsnemo_shardext.primitives import dim_layout
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(20.0).reshape(1, 1, 5, 4), mesh, [Shard(2)], [3, 2])
+        >>> y = move_shard(x.to_local(), dim_layout(x, 2), 3)
+        >>> tuple(y.shape)
+        (1, 1, 5, 2)
     """
     src_dim = layout.tensor_dim % local.ndim
     dst_dim %= local.ndim
     if src_dim == dst_dim:
         raise ValueError(f"move_shard: source and destination are the same dim {src_dim}")
     total = local.shape[dst_dim]
-    sizes = tuple(balanced_sizes(total, layout.parts) if dst_sizes is None else (int(s) for s in dst_sizes))
+    sizes = tuple(balanced_split_sizes(total, layout.parts) if dst_sizes is None else (int(s) for s in dst_sizes))
     if len(sizes) != layout.parts or sum(sizes) != total or min(sizes) < 0:
         raise ValueError(f"move_shard: sizes {sizes} do not split {total} rows over {layout.parts} coordinates")
     if local.shape[src_dim] != layout.local_size:
         raise ValueError(f"move_shard: local block has {local.shape[src_dim]} rows on dim {src_dim}, "
                          f"layout says {layout.local_size}")
-    return _MoveShard.apply(local, layout, src_dim, dst_dim, layout.sizes, sizes)
+    with torch.profiler.record_function("shardext.move_shard"):
+        return _MoveShard.apply(local, layout, src_dim, dst_dim, layout.sizes, sizes)
 
 
 def transpose_shard(
     x: ShardTensor, src_dim: int, dst_dim: int, dst_sizes: Sequence[int] | None = None
 ) -> ShardTensor:
-    """ShardTensor form of :func:`move_shard`: ``Shard(src_dim)`` becomes ``Shard(dst_dim)`` on its mesh dim.
+    """ShardTensor form of `move_shard`: ``Shard(src_dim)`` becomes ``Shard(dst_dim)`` on its mesh dim.
 
     ``dst_dim`` must not be sharded already. Other mesh dims keep their placements and sizes.
 
-    Example::
+    Examples:
+        ``[Shard(2)]`` becomes ``[Shard(3)]``, with a balanced split of dim 3 (3/2 on 2 ranks):
 
-        ys = transpose_shard(xs, 2, 3)        # [Shard(2)] -> [Shard(3)], balanced split of dim 3
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(50.0).reshape(1, 2, 5, 5)
+        >>> xs = shard_tensor(full, mesh, [Shard(2)], [4, 1])
+        >>> ys = transpose_shard(xs, 2, 3)
+        >>> tuple(ys.to_local().shape) == [(1, 2, 5, 3), (1, 2, 5, 2)][rank], torch.equal(ys.full_tensor(), full)
+        (True, True)
     """
     src_dim %= x.ndim
     dst_dim %= x.ndim
@@ -185,8 +215,8 @@ def transpose_shard(
     local = move_shard(x.to_local(), layout, dst_dim, dst_sizes)
     placements = list(x._spec.placements)
     placements[layout.mesh_dim] = Shard(dst_dim)
-    dim_sizes = {d: l.sizes for d, l in layouts.items() if d != src_dim}
-    dim_sizes[dst_dim] = tuple(
-        balanced_sizes(x.shape[dst_dim], layout.parts) if dst_sizes is None else (int(s) for s in dst_sizes)
+    sizes = {d: l.sizes for d, l in layouts.items() if d != src_dim}
+    sizes[dst_dim] = tuple(
+        balanced_split_sizes(x.shape[dst_dim], layout.parts) if dst_sizes is None else (int(s) for s in dst_sizes)
     )
-    return build_shard_tensor(local, x._spec.mesh, placements, dim_sizes)
+    return build_shard_tensor(local, x._spec.mesh, placements, sizes)

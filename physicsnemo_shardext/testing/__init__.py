@@ -4,8 +4,10 @@ The pytest plugin (``physicsnemo_shardext.testing.pytest_plugin``) is loaded by
 pytest through the ``pytest11`` entry point. The helpers below are imported
 lazily, so loading the plugin does not import torch.
 
-Example::
+Examples:
+    A multi-rank conformance test:
 
+    ```python
     import pytest, torch
     from torch.distributed.tensor import Shard
     from physicsnemo_shardext.testing import ShardSpec, check_conformance
@@ -16,16 +18,24 @@ Example::
         x = torch.randn(1, 3, 17, 8)
         report = check_conformance(conv, [x], ShardSpec(domain_mesh, [Shard(2)], [10, 7]))
         print(report.comms)
+    ```
+
+    The helpers load on first use:
+
+    >>> import physicsnemo_shardext.testing as testing
+    >>> testing.chunk_split_sizes(17, 2)
+    [9, 8]
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
     # sharding helpers
-    "even_split_sizes": "sharding",
+    "chunk_split_sizes": "sharding",
+    "even_split_sizes": "sharding",  # the old name of chunk_split_sizes
     "shard_tensor": "sharding",
     "sharding_shapes_for": "sharding",
     "SplitSizes": "sharding",
@@ -58,6 +68,38 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ imports lazily
+    from physicsnemo_shardext.testing.activation_gathers import (
+        GatherRecorder,
+        assert_no_activation_gather,
+        smallest_activation_numel,
+    )
+    from physicsnemo_shardext.testing.comm_accounting import CommCounter, CommStats, PhaseCommStats
+    from physicsnemo_shardext.testing.conformance import (
+        ConformanceError,
+        ConformanceReport,
+        Mismatch,
+        ShardSpec,
+        check_conformance,
+        measure_comms,
+    )
+    from physicsnemo_shardext.testing.delegation import check_delegation, partial_terms
+    from physicsnemo_shardext.testing.isolation import (
+        DEFAULT_SEED,
+        deterministic,
+        rank_test_environment,
+        registry_sandbox_context,
+    )
+    from physicsnemo_shardext.testing.placeholders import mesh_for
+    from physicsnemo_shardext.testing.sharding import (
+        SplitSizes,
+        chunk_split_sizes,
+        even_split_sizes,
+        shard_tensor,
+        sharding_shapes_for,
+    )
+    from physicsnemo_shardext.testing.worker_pool import PoolOutcome, WorkerPool
 
 
 def __getattr__(name: str) -> Any:

@@ -4,12 +4,12 @@ Domain parallelism only pays off if no rank ever holds a whole feature map.
 The usual way a patch (or the DTensor fallback) breaks that promise is an
 all-gather that reassembles an activation: ``Shard -> Replicate``
 redistribution, ``full_tensor()``, PhysicsNeMo's uneven ``all_gather_v``.
-:class:`GatherRecorder` is a ``TorchDispatchMode`` (like
-:class:`~physicsnemo_shardext.testing.comm_accounting.CommCounter`) that records
+`GatherRecorder` is a ``TorchDispatchMode`` (like
+`CommCounter`) that records
 every all-gather issued while it is active, with this rank's payload and the
 size of the gathered result.
 
-**Criterion** (:meth:`GatherRecorder.activation_gathers`): an all-gather is an
+**Criterion** (`GatherRecorder.activation_gathers`): an all-gather is an
 *activation gather* when
 
 1. its payload is floating point or complex: the metadata exchanges of
@@ -20,7 +20,7 @@ size of the gathered result.
    ``all_gather_into_tensor`` PhysicsNeMo uses on uneven shards, world size x
    padded chunk).
 
-Pick ``min_numel`` with :func:`smallest_activation_numel`: the fewest elements
+Pick ``min_numel`` with `smallest_activation_numel`: the fewest elements
 of any feature map the model produces on the *full* input (global size). A
 gather that rebuilds a feature map, even only the smallest one, reaches it.
 What stays below it in a sensible test configuration: statistics (a mean and
@@ -29,19 +29,22 @@ parameters of a domain-parallel model are replicated, they are not gathered),
 and halo slabs, which are a few rows of one feature map. The threshold is
 only as sharp as the configuration: choose models whose smallest feature map
 is larger than ``2 * C_max`` and larger than every halo slab (``world_size x
-halo width x`` the other extents). :func:`halo_bound` computes the latter.
+halo width x`` the other extents). `halo_bound` computes the latter.
 
 Only all-gathers are classified (``c10d`` ``allgather*``/``_allgather_base_``/
 ``gather_`` and the functional ``all_gather_into_tensor*``); an activation moved
 by ``all_to_all`` or ``broadcast`` is not reported here (count those with
 ``CommCounter``).
 
-Example (inside ``@pytest.mark.multirank(2)``)::
+Examples:
+    Inside ``@pytest.mark.multirank(2)``:
 
+    ```python
     floor = smallest_activation_numel(model, [x_full])
     with GatherRecorder() as gathers:
         y = distributed_model(x_sharded)
     assert not gathers.activation_gathers(floor), gathers.describe(floor)
+    ```
 """
 
 from __future__ import annotations
@@ -103,11 +106,14 @@ class GatherRecord:
 class GatherRecorder(TorchDispatchMode):
     """Record every all-gather issued while active (forward and, if called inside, backward).
 
-    Example::
+    Examples:
+        On 2 ranks:
 
+        ```python
         with GatherRecorder() as gathers:
-            dist.all_gather_into_tensor(out, torch.ones(4))   # 2 ranks
+            dist.all_gather_into_tensor(out, torch.ones(4))
         assert gathers.records[0].gathered_numel == 8
+        ```
     """
 
     def __init__(self) -> None:
@@ -168,9 +174,10 @@ def smallest_activation_numel(module: torch.nn.Module, inputs: Sequence[Any], **
     (``(N, C, *spatial)`` feature maps) count, and so do the inputs and the final
     output. The module runs once under ``torch.no_grad`` on the given (unsharded) inputs.
 
-    >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2, padding=1), torch.nn.Conv2d(4, 2, 1))
-    >>> smallest_activation_numel(net, [torch.randn(1, 1, 8, 8)])   # conv out: 1*4*4*4=64, input 64, output 32
-    32
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2, padding=1), torch.nn.Conv2d(4, 2, 1))
+        >>> smallest_activation_numel(net, [torch.randn(1, 1, 8, 8)])   # conv out: 1*4*4*4=64, input 64, output 32
+        32
     """
     first = next(x for x in inputs if isinstance(x, torch.Tensor))
     ndim = first.ndim
@@ -193,8 +200,9 @@ def smallest_activation_numel(module: torch.nn.Module, inputs: Sequence[Any], **
 def halo_bound(shape: Sequence[int], dim: int, halo: int, world_size: int) -> int:
     """Elements a gather of ``halo`` rows of ``shape`` along ``dim`` from every rank would assemble.
 
-    >>> halo_bound((1, 8, 48, 24), dim=2, halo=3, world_size=2)   # 2 ranks x (1*8*3*24)
-    1152
+    Examples:
+        >>> halo_bound((1, 8, 48, 24), dim=2, halo=3, world_size=2)   # 2 ranks x (1*8*3*24)
+        1152
     """
     others = math.prod(s for i, s in enumerate(shape) if i != dim % len(shape))
     return world_size * halo * others
@@ -207,12 +215,13 @@ class ActivationGatherError(AssertionError):
 def assert_no_activation_gather(fn: Callable[..., Any], inputs: Sequence[Any], min_numel: int, **kwargs: Any) -> Any:
     """Run ``fn(*inputs, **kwargs)`` (a forward pass) and raise if it all-gathers an activation.
 
-    Returns ``fn``'s result. Raises :class:`ActivationGatherError` listing every
+    Returns ``fn``'s result. Raises `ActivationGatherError` listing every
     gather (activation-sized ones marked) otherwise.
 
-    Example::
-
+    Examples:
+        ```python
         y = assert_no_activation_gather(sharded_model, [x_shard], smallest_activation_numel(model, [x]))
+        ```
     """
     with GatherRecorder() as gathers:
         result = fn(*inputs, **kwargs)

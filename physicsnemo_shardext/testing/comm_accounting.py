@@ -1,6 +1,6 @@
 """Count collectives and the bytes they move, with a TorchDispatchMode.
 
-:class:`CommCounter` intercepts the dispatcher ops behind ``torch.distributed``
+`CommCounter` intercepts the dispatcher ops behind ``torch.distributed``
 (``torch.ops.c10d.*``: ``allreduce_``, ``allgather_``, ``_allgather_base_``,
 ``reduce_scatter_``, ``alltoall_``, ``broadcast_``, ``send``, ``recv_`` ...) and
 the functional collectives DTensor uses (``torch.ops._c10d_functional.*``).
@@ -15,12 +15,22 @@ rank *hands to* the collective (its input/payload: e.g. the tensor of an
 ``send``; for ``recv`` the receive buffer). Output buffers are not counted, so
 an all_gather of a 1 KiB shard counts 1 KiB whatever the world size.
 
-Example::
+Examples:
+    On any number of ranks:
 
+    ```python
     with CommCounter() as counter:
         dist.all_reduce(torch.ones(256))        # 1 call, 1024 bytes
     assert counter.stats.counts == {"c10d.allreduce_": 1}
     assert counter.stats.bytes == {"c10d.allreduce_": 1024}
+    ```
+
+    Local computation issues no collective:
+
+    >>> with CommCounter() as counter:
+    ...     _ = torch.ones(256) * 2
+    >>> counter.stats.counts, str(counter.stats)
+    ({}, 'no collectives')
 """
 
 from __future__ import annotations
@@ -79,7 +89,15 @@ def _payload_bytes(namespace: str, name: str, args: tuple, kwargs: dict) -> int:
 
 @dataclass
 class CommStats:
-    """Collective calls and bytes, keyed by ``"namespace.op"`` (e.g. ``"c10d.allreduce_"``)."""
+    """Collective calls and bytes, keyed by ``"namespace.op"`` (e.g. ``"c10d.allreduce_"``).
+
+    Examples:
+        >>> stats = CommStats()
+        >>> stats.record("c10d.allreduce_", 1024)
+        >>> stats.record("c10d.allreduce_", 16)
+        >>> stats.total_calls, stats.total_bytes, str(stats)
+        (2, 1040, 'c10d.allreduce_ x2 (1040 B)')
+    """
 
     counts: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
@@ -124,12 +142,13 @@ class CommCounter(TorchDispatchMode):
     ``backward()`` is called within the ``with`` block (on CPU autograd runs the
     backward on the calling thread, where the mode is active).
 
-    Example::
-
+    Examples:
+        ```python
         counter = CommCounter()
         with counter:
             y = model(xs)
         print(counter.stats.counts, counter.stats.total_bytes)
+        ```
     """
 
     def __init__(self) -> None:

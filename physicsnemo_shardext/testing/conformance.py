@@ -1,6 +1,6 @@
 """Conformance check: does a sharded run match the single-process reference, on every rank?
 
-:func:`check_conformance` runs a module or function
+`check_conformance` runs a module or function
 
 1. on the full inputs, locally on each rank (the reference), and
 2. on ShardTensor inputs (sharded as the caller says, evenly or unevenly),
@@ -9,7 +9,7 @@ then compares the outputs (``full_tensor()``), the outputs' placements, the
 input gradients, every parameter gradient and every buffer after the run
 (running statistics, counters), using a deterministic random
 cotangent sharded like the output. Mismatches from all ranks are gathered and
-raised on every rank as one :class:`ConformanceError` (an ``AssertionError``)
+raised on every rank as one `ConformanceError` (an ``AssertionError``)
 that names the tensor, the max abs error and the ranks.
 
 Errors the code under test *raises* (a shape, dtype or placement error in a
@@ -17,27 +17,30 @@ handler, or autograd's ``Mismatch in shape`` in backward when a handler returned
 a wrong-shaped result) are reported the same way: a mismatch naming the output
 or gradient concerned, the ranks, and, where a plugin handler ran, the plugin
 (found through the handler calls recorded by
-:class:`~physicsnemo_shardext.trace.HandlerRecorder` and the registry's provenance).
+`HandlerRecorder` and the registry's provenance).
 ``MissingShardPatch`` and the framework's own errors propagate unchanged. Such an
 error must be raised on every rank alike; one raised on some ranks only leaves
 the others in their collectives (the multirank watchdog reports that hang). A second pass, on fresh
 copies, counts the collectives and bytes of forward and backward
-(:class:`~physicsnemo_shardext.testing.comm_accounting.CommCounter`).
+(`CommCounter`).
 
 With ``autocast=torch.bfloat16`` (or ``("cuda", torch.float16)``) both forwards run
-under :func:`torch.autocast` and the tolerances come from the single-process
-autocast-vs-fp32 error (see :func:`check_conformance`).
+under `torch.autocast` and the tolerances come from the single-process
+autocast-vs-fp32 error (see `check_conformance`).
 
 Every rank of the world must call it (it gathers results over the default group),
 with identical module parameters and full inputs (multirank tests are seeded
 identically on every rank; this is checked).
 
-Example (inside ``@pytest.mark.multirank(2)`` with the ``domain_mesh`` fixture)::
+Examples:
+    Inside ``@pytest.mark.multirank(2)`` with the ``domain_mesh`` fixture:
 
+    ```python
     conv = torch.nn.Conv2d(3, 4, 3, padding=1)
     x = torch.randn(1, 3, 17, 8)
     report = check_conformance(conv, [x], ShardSpec(domain_mesh, [Shard(2)], [10, 7]))
     assert report.comms.forward.total_calls >= 1   # the halo exchange
+    ```
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import copy
 import hashlib
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -79,14 +82,24 @@ _DISTRIBUTED = (ShardTensor, DTensor)
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How to shard one full input: mesh, placements, optional split sizes (see :func:`shard_tensor`).
+    """How to shard one full input: mesh, placements, optional split sizes (see `shard_tensor`).
 
-    >>> ShardSpec(mesh, [Shard(2)], split_sizes=[10, 7])  # doctest: +SKIP
+    ``split_sizes`` is the name ``sizes_by_mesh_dim`` had before 0.2, still accepted by the constructor.
+
+    Examples:
+        >>> ShardSpec(mesh, [Shard(2)], sizes_by_mesh_dim=[10, 7])  # doctest: +SKIP
     """
 
     mesh: DeviceMesh
     placements: Sequence[Placement]
-    split_sizes: SplitSizes = None
+    sizes_by_mesh_dim: SplitSizes = None
+    split_sizes: InitVar[SplitSizes] = None
+
+    def __post_init__(self, split_sizes: SplitSizes) -> None:
+        if split_sizes is not None:
+            if self.sizes_by_mesh_dim is not None:
+                raise TypeError("ShardSpec: pass sizes_by_mesh_dim or its old name split_sizes, not both")
+            object.__setattr__(self, "sizes_by_mesh_dim", split_sizes)
 
 
 @dataclass(frozen=True)
@@ -109,11 +122,12 @@ class ConformanceError(AssertionError):
 
     ``plugins`` names the plugin handlers that ran in the sharded run (``"label for target"``).
 
-    >>> print(ConformanceError([Mismatch("output[0]", "shape (3,) != reference (4,)", ranks=(0, 1))],
-    ...                        plugins=["demo (demo-dist==1.0) for torch.tanh"]))
-    sharded run does not match the single-process reference:
-      - output[0]: shape (3,) != reference (4,) (rank(s) [0, 1])
-      plugin handlers that ran: demo (demo-dist==1.0) for torch.tanh
+    Examples:
+        >>> print(ConformanceError([Mismatch("output[0]", "shape (3,) != reference (4,)", ranks=(0, 1))],
+        ...                        plugins=["demo (demo-dist==1.0) for torch.tanh"]))
+        sharded run does not match the single-process reference:
+          - output[0]: shape (3,) != reference (4,) (rank(s) [0, 1])
+          plugin handlers that ran: demo (demo-dist==1.0) for torch.tanh
     """
 
     def __init__(self, mismatches: Sequence[Mismatch], context: str = "", plugins: Sequence[str] = ()) -> None:
@@ -204,7 +218,7 @@ def _sharded_inputs(inputs: Sequence[Any], specs: Sequence[ShardSpec | None]) ->
         if spec is None or not isinstance(x, torch.Tensor):
             result.append(x)
         else:
-            result.append(shard_tensor(x, spec.mesh, spec.placements, spec.split_sizes, requires_grad=_needs_grad(x)))
+            result.append(shard_tensor(x, spec.mesh, spec.placements, spec.sizes_by_mesh_dim, requires_grad=_needs_grad(x)))
     return result
 
 
@@ -249,13 +263,13 @@ def _cotangent_for(output: torch.Tensor, full_shape: torch.Size, seed: int) -> t
     # Partial outputs take Replicate gradients.
     placements = [Replicate() if isinstance(p, Partial) else p for p in output.placements]
     spec = output._spec
-    split_sizes: dict[int, list[int]] = {}
+    sizes: dict[int, list[int]] = {}
     if isinstance(output, ShardTensor):
         shapes = spec.sharding_shapes()
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard):
-                split_sizes[mesh_dim] = [s[p.dim % len(full_shape)] for s in shapes[mesh_dim]]
-        return shard_tensor(full, output.device_mesh, placements, split_sizes or None)
+                sizes[mesh_dim] = [s[p.dim % len(full_shape)] for s in shapes[mesh_dim]]
+        return shard_tensor(full, output.device_mesh, placements, sizes or None)
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, output.device_mesh, placements)
@@ -329,7 +343,7 @@ class _AutocastTolerance:
 
     ``baseline`` holds what the reference run produced in full precision (same inputs,
     parameters and cotangents, no autocast), by the name used in mismatches. See
-    :func:`check_conformance` for the rule; dtypes must equal the reference's.
+    `check_conformance` for the rule; dtypes must equal the reference's.
     """
 
     def __init__(self, autocast: tuple[str, torch.dtype], factor: float, baseline: dict[str, torch.Tensor | None],
@@ -473,7 +487,7 @@ def _labels(calls: Sequence[HandlerCall]) -> list[str]:
 
 
 class _Attribution:
-    """Names the plugin behind a failure from the handler calls a :class:`HandlerRecorder` saw."""
+    """Names the plugin behind a failure from the handler calls a `HandlerRecorder` saw."""
 
     def __init__(self, recorder: HandlerRecorder) -> None:
         self.recorder = recorder
@@ -505,7 +519,7 @@ class _Attribution:
 
 
 class _Guard:
-    """Turn an error of the code under test inside the block into a :class:`Mismatch` (and suppress it)."""
+    """Turn an error of the code under test inside the block into a `Mismatch` (and suppress it)."""
 
     def __init__(self, what: str, stage: str, mismatches: list[Mismatch], blame: Callable[[BaseException], str]) -> None:
         self.what, self.stage, self.mismatches, self.blame = what, stage, mismatches, blame
@@ -555,7 +569,7 @@ def check_conformance(
     Args:
         fn: an ``nn.Module`` (deep-copied for each run) or a function.
         inputs: full inputs, identical on every rank; non-tensors are passed through.
-        shardings: one :class:`ShardSpec` for all tensor inputs, or one per input
+        shardings: one `ShardSpec` for all tensor inputs, or one per input
             (``None``: pass that input unsharded).
         rtol: relative tolerance for outputs.
         atol: absolute tolerance for outputs.
@@ -581,7 +595,7 @@ def check_conformance(
             autocast dtype's machine epsilon (``rtol`` unchanged; ``grad_atol`` likewise for
             gradients). Dtypes must equal the reference's. A tensor autocast leaves alone
             (``e == 0``: its ops ran in full precision) keeps the plain ``atol``.
-        autocast_factor: ``k`` above (default :data:`AUTOCAST_ERROR_FACTOR`, 4). The sharded
+        autocast_factor: ``k`` above (default `AUTOCAST_ERROR_FACTOR`, 4). The sharded
             autocast run rounds in other places than the reference (per-shard partial sums,
             reductions of low-precision partials), so it differs from the reference by about
             the reference's own rounding error, at most a few rounding units of the tensor's
@@ -591,7 +605,7 @@ def check_conformance(
             (3 % of the largest value in bf16, 0.4 % in fp16).
 
     Returns:
-        A :class:`ConformanceReport` (errors measured, output placements, comm counts;
+        A `ConformanceReport` (errors measured, output placements, comm counts;
         under autocast also the reference errors and the ``atol`` used per tensor).
 
     Raises:
@@ -757,12 +771,13 @@ def measure_comms(
 
     Setup work (sharding the inputs, ``distribute_module``, building the cotangent) is
     not counted. ``autocast`` runs the forward under ``torch.autocast`` as in
-    :func:`check_conformance`.
+    `check_conformance`.
 
-    Example::
-
+    Examples:
+        ```python
         stats = measure_comms(conv, [x], ShardSpec(mesh, [Shard(2)]))
         print(stats.forward.counts, stats.backward.total_bytes)
+        ```
     """
     kwargs = kwargs or {}
     specs = _specs_for(inputs, shardings)

@@ -1,15 +1,18 @@
 """Test that an override hands a configuration to what it replaced, and that the result is right.
 
 The override rule (``docs/writing-a-plugin.md``) says a handler delegates what it does not
-handle. :func:`check_delegation` proves one such configuration on a rank: the sharded call
+handle. `check_delegation` proves one such configuration on a rank: the sharded call
 matches single-process in value and in every input gradient, and equals, exactly, the same
 call with the plugin switched off (the built-in or DTensor fallback it replaced).
-The input is a ``Partial(sum)`` ShardTensor from :func:`partial_terms`, the configuration
+The input is a ``Partial(sum)`` ShardTensor from `partial_terms`, the configuration
 most overrides delegate.
 
-Example (in a ``@pytest.mark.multirank(2)`` test)::
+Examples:
+    In a ``@pytest.mark.multirank(2)`` test:
 
+    ```python
     check_delegation(lambda t: torch.roll(t, 1, 0), torch.randn(4, 3), domain_mesh, rank, "roll_flip")
+    ```
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ def partial_terms(full: torch.Tensor, mesh: Any, rank: int, seed: int = 1) -> tu
     The terms are random positive shares of ``full`` (the same draw on every rank), so
     they add up to ``full`` over the ranks of the 1-D ``mesh``.
 
-    Example::
+    Examples:
+        In a ``@pytest.mark.multirank(2)`` test:
 
+        ```python
         local, partial = partial_terms(torch.randn(2, 5), domain_mesh, rank)
         partial.full_tensor()  # == the full tensor, up to rounding
+        ```
     """
     from physicsnemo.domain_parallel import ShardTensor
     from torch.distributed.tensor import Partial
@@ -62,9 +68,12 @@ def check_delegation(
     cotangent; and local outputs and gradients equal to the plugin-disabled run (bit for
     bit when ``exact``).
 
-    Example::
+    Examples:
+        In a ``@pytest.mark.multirank(2)`` test:
 
+        ```python
         check_delegation(lambda t: torch.softmax(t, 0), full, domain_mesh, rank, "softmax_cumsum", (Replicate(),))
+        ```
     """
     import physicsnemo_shardext
 

@@ -1,9 +1,20 @@
 """Per-test isolation inside a reused rank: sandboxed registries, seeding, TF32 off.
 
-Example::
-
+Examples:
+    ```python
     with rank_test_environment(seed=1234) as registry:
         ShardTensor.register_function_handler(F.conv2d, my_handler)  # undone on exit
+    ```
+
+    The same seed gives the same draws:
+
+    >>> import torch
+    >>> with deterministic(7):
+    ...     a = torch.rand(3)
+    >>> with deterministic(7):
+    ...     b = torch.rand(3)
+    >>> torch.equal(a, b), torch.backends.cuda.matmul.allow_tf32
+    (True, False)
 """
 
 from __future__ import annotations
@@ -20,34 +31,14 @@ DEFAULT_SEED = 1234
 
 
 def registry_sandbox_context() -> contextlib.AbstractContextManager[Any]:
-    """A context manager restoring ShardTensor's registries (and the plugin registry) on exit.
+    """A context manager restoring ShardTensor's registries and the plugin registry on exit.
 
-    Prefers the framework's sandbox, which also restores its own records; falls
-    back to a plain snapshot/restore of ShardTensor's four registries.
+    It is the framework's `physicsnemo_shardext.sandbox`, which yields the
+    process-wide `PatchRegistry`.
     """
-    try:
-        from physicsnemo_shardext.registry import sandbox  # type: ignore[attr-defined]
+    from physicsnemo_shardext import sandbox
 
-        return sandbox()
-    except ImportError:
-        pass
-    try:
-        from physicsnemo_shardext import sandbox as package_sandbox
-
-        return package_sandbox()
-    except ImportError:
-        return _snapshot_sandbox()
-
-
-@contextlib.contextmanager
-def _snapshot_sandbox() -> Iterator[Any]:
-    from physicsnemo_shardext import shard_registries
-
-    snap = shard_registries.snapshot()
-    try:
-        yield snap
-    finally:
-        shard_registries.restore(snap)
+    return sandbox()
 
 
 def seed_everything(seed: int) -> None:

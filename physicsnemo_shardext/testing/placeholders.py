@@ -1,12 +1,11 @@
 """Fixture values that only exist on a rank: picklable placeholders and their materialization.
 
 In the pytest process a multirank fixture such as ``domain_mesh`` returns a
-:class:`RankValue` placeholder; the worker that runs the test body replaces it
-with the real object (:func:`materialize`). Under ``torchrun`` the fixtures
-call :func:`build` directly.
+`RankValue` placeholder; the worker that runs the test body replaces it
+with the real object (`materialize`). Under ``torchrun`` the fixtures
+call `build` directly.
 
-Example::
-
+Examples:
     >>> RankValue("world_size")
     RankValue(kind='world_size')
 """
@@ -51,11 +50,6 @@ def mesh_for(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     return _mesh_cache[key]
 
 
-def clear_mesh_cache() -> None:
-    """Forget cached meshes (after the process group was destroyed)."""
-    _mesh_cache.clear()
-
-
 def build(kind: str, registry: Any = None) -> Any:
     """Create the real value for ``kind`` on this rank (process group already initialized)."""
     import torch.distributed as dist
@@ -77,7 +71,7 @@ def build(kind: str, registry: Any = None) -> Any:
 
 
 def materialize(kwargs: dict[str, Any], registry: Any = None) -> dict[str, Any]:
-    """Replace top-level :class:`RankValue` placeholders in a test's arguments by real objects."""
+    """Replace top-level `RankValue` placeholders in a test's arguments by real objects."""
     return {
         name: build(value.kind, registry) if isinstance(value, RankValue) else value
         for name, value in kwargs.items()

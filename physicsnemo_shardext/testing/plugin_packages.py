@@ -1,12 +1,12 @@
 """Write small, genuinely installed plugin distributions for tests.
 
-:func:`write_plugin_distribution` lays out what an installer leaves behind
+`write_plugin_distribution` lays out what an installer leaves behind
 (``name-version.dist-info/`` with ``METADATA`` and ``entry_points.txt``, plus
 the plugin's modules) in a folder, so that once the folder is on ``sys.path``
 ``importlib.metadata`` discovers the plugin exactly as it discovers one that
 pip installed.
 
-Example:
+Examples:
     >>> import tempfile
     >>> from importlib import metadata
     >>> folder = tempfile.mkdtemp()
@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["entry_points_in", "first_party_entry_points", "write_plugin_distribution"]
+from physicsnemo_shardext.loader import ENTRY_POINT_GROUP as GROUP
+from physicsnemo_shardext.markers import DISTRIBUTION_NAME as FIRST_PARTY_DISTRIBUTION
 
-GROUP = "physicsnemo_shardext"
-FIRST_PARTY_DISTRIBUTION = "physicsnemo-shardext"
+__all__ = ["entry_points_in", "first_party_entry_points", "write_plugin_distribution"]
 
 
 def write_plugin_distribution(
@@ -72,8 +72,9 @@ def first_party_entry_points(*names: str, group: str = GROUP) -> list[metadata.E
 
     Lets a test put a real first-party plugin beside fixture plugins, in any order.
 
-    >>> [ep.name for ep in first_party_entry_points("pointwise")]
-    ['pointwise']
+    Examples:
+        >>> [ep.name for ep in first_party_entry_points("pointwise")]
+        ['pointwise']
     """
     distribution = metadata.distribution(FIRST_PARTY_DISTRIBUTION)
     return [ep for ep in distribution.entry_points if ep.group == group and (not names or ep.name in names)]

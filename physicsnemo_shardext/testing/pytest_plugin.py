@@ -13,8 +13,10 @@ Multirank fixtures (``domain_mesh``, ``ddp_domain_mesh``, ``spatial_mesh``,
 ``rank``, ``world_size``, ``registry_sandbox``) are created on the rank; other
 fixture and parametrize values are pickled to the ranks.
 
-Example::
+Examples:
+    A test run on 2 ranks:
 
+    ```python
     import pytest, torch
     from torch.distributed.tensor import Shard
     from physicsnemo_shardext.testing import shard_tensor
@@ -22,13 +24,19 @@ Example::
     @pytest.mark.multirank(2, timeout=60)
     def test_roundtrip(domain_mesh, rank):
         full = torch.randn(4, 17)             # same on every rank: seeded per test
-        xs = shard_tensor(full, domain_mesh, [Shard(1)], split_sizes=[10, 7])
+        xs = shard_tensor(full, domain_mesh, [Shard(1)], sizes_by_mesh_dim=[10, 7])
         assert xs.to_local().shape[1] == (10, 7)[rank]
         assert xs.full_tensor().equal(full)
+    ```
+
+    The rank count comes from the marker:
+
+    >>> marker_world_size(pytest.mark.multirank(2, timeout=60).mark)
+    2
 
 Timeout precedence: marker ``timeout=`` > ``SHARDEXT_TEST_TIMEOUT`` env var >
 ini option ``shardext_timeout`` > 120 s. Under torchrun a rank that outlives it
-prints its stacks and exits (see :mod:`physicsnemo_shardext.testing.watchdog`).
+prints its stacks and exits (see `physicsnemo_shardext.testing.watchdog`).
 """
 
 from __future__ import annotations

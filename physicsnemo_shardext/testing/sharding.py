@@ -4,14 +4,17 @@ Every rank holds the same full tensor and keeps its own slice; the
 ``sharding_shapes`` handed to ``ShardTensor.from_local`` are computed locally
 (no communication), because ``sharding_shapes="infer"`` fails on CPU.
 
-Example (inside a multirank test with a 1-D ``domain_mesh`` of 2 ranks)::
+Examples:
+    Inside a multirank test with a 1-D ``domain_mesh`` of 2 ranks:
 
+    ```python
     from torch.distributed.tensor import Shard
     from physicsnemo_shardext.testing import shard_tensor
 
     full = torch.randn(1, 3, 17, 8)
-    xs = shard_tensor(full, domain_mesh, [Shard(2)], split_sizes=[10, 7], requires_grad=True)
+    xs = shard_tensor(full, domain_mesh, [Shard(2)], sizes_by_mesh_dim=[10, 7], requires_grad=True)
     assert xs.full_tensor().equal(full)
+    ```
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SplitSizes",
+    "chunk_split_sizes",
     "even_split_sizes",
     "local_slices",
     "normalize_split_sizes",
@@ -39,13 +43,14 @@ __all__ = [
 SplitSizes = Union[Sequence[int], Mapping[int, Sequence[int]], None]
 
 
-def even_split_sizes(size: int, parts: int) -> list[int]:
+def chunk_split_sizes(size: int, parts: int) -> list[int]:
     """Sizes that ``torch.chunk(t, parts)`` gives along a dim of ``size``, padded with zeros to ``parts``.
 
     This is also how DTensor's ``Shard`` splits a dimension.
 
-    >>> even_split_sizes(17, 2), even_split_sizes(5, 4), even_split_sizes(8, 4)
-    ([9, 8], [2, 2, 1, 0], [2, 2, 2, 2])
+    Examples:
+        >>> chunk_split_sizes(17, 2), chunk_split_sizes(5, 4), chunk_split_sizes(8, 4)
+        ([9, 8], [2, 2, 1, 0], [2, 2, 2, 2])
     """
     if parts <= 0:
         raise ValueError(f"parts must be positive, got {parts}")
@@ -64,6 +69,10 @@ def _shard_dim(placement: Placement, ndim: int) -> int | None:
     return None
 
 
+#: The name `chunk_split_sizes` had before 0.2, still exported.
+even_split_sizes = chunk_split_sizes
+
+
 def normalize_split_sizes(
     shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -75,8 +84,9 @@ def normalize_split_sizes(
     Validates that the sizes have one entry per mesh coordinate and add up to the
     tensor dimension.
 
-    >>> normalize_split_sizes((4, 17), (2,), [Shard(1)], [10, 7])
-    {0: [10, 7]}
+    Examples:
+        >>> normalize_split_sizes((4, 17), (2,), [Shard(1)], [10, 7])
+        {0: [10, 7]}
     """
     if len(placements) != len(mesh_shape):
         raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-D mesh")
@@ -103,7 +113,7 @@ def normalize_split_sizes(
                 f"tensor dim {dim} sharded over mesh dims {sharded_tensor_dims[dim]} and {mesh_dim}"
             )
         sharded_tensor_dims[dim] = mesh_dim
-        sizes = list(given.get(mesh_dim, even_split_sizes(shape[dim], mesh_shape[mesh_dim])))
+        sizes = list(given.get(mesh_dim, chunk_split_sizes(shape[dim], mesh_shape[mesh_dim])))
         if len(sizes) != mesh_shape[mesh_dim] or sum(sizes) != shape[dim] or min(sizes) < 0:
             raise ValueError(
                 f"split sizes {sizes} for mesh dim {mesh_dim} (size {mesh_shape[mesh_dim]}) "
@@ -125,8 +135,9 @@ def sharding_shapes_for(
     along ``mesh_dim`` and at this rank's ``coordinate`` along every other mesh
     dim (PhysicsNeMo's convention). Only sharded mesh dims appear.
 
-    >>> sharding_shapes_for((4, 6), [Shard(0), Shard(1)], {0: [3, 1], 1: [4, 2]}, (1, 0))
-    {0: [(3, 4), (1, 4)], 1: [(1, 4), (1, 2)]}
+    Examples:
+        >>> sharding_shapes_for((4, 6), [Shard(0), Shard(1)], {0: [3, 1], 1: [4, 2]}, (1, 0))
+        {0: [(3, 4), (1, 4)], 1: [(1, 4), (1, 2)]}
     """
     ndim = len(shape)
     result: dict[int, list[tuple[int, ...]]] = {}
@@ -151,8 +162,9 @@ def local_slices(
 ) -> list[tuple[int, int, int]]:
     """``(tensor_dim, start, length)`` narrowing steps that cut this rank's shard out of the full tensor.
 
-    >>> local_slices((4, 17), [Shard(1)], {0: [10, 7]}, (1,))
-    [(1, 10, 7)]
+    Examples:
+        >>> local_slices((4, 17), [Shard(1)], {0: [10, 7]}, (1,))
+        [(1, 10, 7)]
     """
     ndim = len(shape)
     steps = []
@@ -166,9 +178,10 @@ def shard_tensor(
     full: torch.Tensor,
     mesh: DeviceMesh,
     placements: Sequence[Placement],
-    split_sizes: SplitSizes = None,
+    sizes_by_mesh_dim: SplitSizes = None,
     *,
     requires_grad: bool = False,
+    split_sizes: SplitSizes = None,
 ) -> ShardTensor:
     """Cut this rank's piece out of ``full`` (identical on all ranks) and wrap it as a ShardTensor.
 
@@ -176,21 +189,29 @@ def shard_tensor(
         full: the full tensor, the same on every rank.
         mesh: the device mesh.
         placements: one placement per mesh dim (``Shard(d)`` or ``Replicate()``).
-        split_sizes: ``None`` for even (``torch.chunk``) splits; a list for a 1-D mesh;
+        sizes_by_mesh_dim: ``None`` for even (``torch.chunk``) splits; a list for a 1-D mesh;
             or ``{mesh_dim: [size per coordinate]}``; missing mesh dims split evenly.
         requires_grad: make the result a leaf that requires grad (its ``.grad`` is a ShardTensor).
+        split_sizes: the name ``sizes_by_mesh_dim`` had before 0.2, still accepted.
 
     Returns:
         A ShardTensor whose ``full_tensor()`` equals ``full``.
 
-    Example::
+    Examples:
+        On a 2-D mesh, split sizes keyed by mesh dim:
 
+        ```python
         xs = shard_tensor(full, mesh_2d, [Shard(2), Shard(3)], {0: [3, 5], 1: [6, 2]})
+        ```
     """
     from physicsnemo.domain_parallel import ShardTensor
 
+    if split_sizes is not None:
+        if sizes_by_mesh_dim is not None:
+            raise TypeError("shard_tensor: pass sizes_by_mesh_dim or its old name split_sizes, not both")
+        sizes_by_mesh_dim = split_sizes
     placements = list(placements)
-    sizes = normalize_split_sizes(full.shape, tuple(mesh.shape), placements, split_sizes)
+    sizes = normalize_split_sizes(full.shape, tuple(mesh.shape), placements, sizes_by_mesh_dim)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise RuntimeError("this rank is not part of the mesh")

@@ -2,15 +2,18 @@
 
 Under plain ``pytest`` the worker pool enforces timeouts from outside. Under
 ``torchrun`` every rank *is* a pytest process, and a rank stuck in a collective
-would hang the job forever. :func:`rank_watchdog` gives each test body a
+would hang the job forever. `rank_watchdog` gives each test body a
 deadline: when it passes, the rank prints which test timed out and the Python
 stacks of all its threads, then exits, so torchrun tears the job down and the
 log holds one report per rank.
 
-Example::
+Examples:
+    A block that ends before its deadline leaves no trace:
 
-    with rank_watchdog(60.0, "tests/test_x.py::test_y", rank=1):
-        run_test_body()
+    >>> with rank_watchdog(60.0, "tests/test_x.py::test_y", rank=1):
+    ...     total = sum(range(10))
+    >>> total
+    45
 """
 
 from __future__ import annotations

@@ -1,18 +1,26 @@
 """The rank side of the worker pool: one long-lived process per rank that runs test bodies.
 
 A worker joins a gloo (NCCL on GPU) process group through a ``FileStore``, lets
-:func:`physicsnemo_shardext.distributed.initialize` adopt it, then loops:
-receive a :class:`TestTask`, import the test module, materialize placeholder
-fixtures, run the body inside :func:`~physicsnemo_shardext.testing.isolation.rank_test_environment`,
-send back a :class:`RankResult`.
+`physicsnemo_shardext.distributed.initialize` adopt it, then loops:
+receive a `TestTask`, import the test module, materialize placeholder
+fixtures, run the body inside `rank_test_environment`,
+send back a `RankResult`.
 
 This module is imported by the parent (for the process target), so it only
 imports torch inside the worker.
 
-Example (what :class:`~physicsnemo_shardext.testing.worker_pool.WorkerPool` does)::
+Examples:
+    What `WorkerPool` does:
 
+    ```python
     ctx = multiprocessing.get_context("spawn")
     ctx.Process(target=worker_main, args=(WorkerConfig(...), child_conn)).start()
+    ```
+
+    A rank's result, as sent back to the parent:
+
+    >>> RankResult(rank=1, outcome="skipped", message="needs 4 ranks")
+    RankResult(rank=1, outcome='skipped', message='needs 4 ranks', duration_s=0.0, extra={})
 """
 
 from __future__ import annotations

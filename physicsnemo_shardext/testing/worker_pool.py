@@ -1,19 +1,27 @@
 """The parent side: a pool of N rank processes, reused across tests, torn down after any failure.
 
-The pool runs one :class:`~physicsnemo_shardext.testing.worker.TestTask` at a
+The pool runs one `TestTask` at a
 time on all ranks and waits with a timeout. Ranks that fail or die start a
 short *grace* period for the others (which are usually stuck in a collective
 with the failed rank); ranks still silent at the deadline are reported as hung
 with their Python stacks (faulthandler), and the whole pool is killed so the
 next test starts from a fresh process group.
 
-Example::
-
+Examples:
+    ```python
     pool = WorkerPool(world_size=2)
     outcome = pool.run(task, timeout_s=60)
     if not outcome.ok:
         print(outcome.report())
     pool.close()
+    ```
+
+    What an outcome says when one rank failed:
+
+    >>> from physicsnemo_shardext.testing.worker import RankResult
+    >>> outcome = PoolOutcome(2, results={0: RankResult(0, "passed"), 1: RankResult(1, "failed", "boom")})
+    >>> outcome.ok, outcome.summary()
+    (False, 'failed on rank(s) [1]')
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def _no_activation_gather_and_same_buffers(model: torch.nn.Module, x: torch.Tens
     reference = copy.deepcopy(model)
     reference(x)
     sharded = distribute_module(copy.deepcopy(model), spec.mesh)
-    xs = shard_tensor(x, spec.mesh, spec.placements, spec.split_sizes, requires_grad=True)
+    xs = shard_tensor(x, spec.mesh, spec.placements, spec.sizes_by_mesh_dim, requires_grad=True)
     with GatherRecorder() as gathers:
         sharded(xs)
     assert not gathers.activation_gathers(floor), gathers.describe(floor)

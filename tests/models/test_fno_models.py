@@ -6,7 +6,7 @@ input is a ShardTensor. Outputs, the input gradient and **every** parameter
 gradient must match the single-process run within 1e-4 (float32). The spectral
 work (``torch.fft.rfft2``/``rfftn``/``irfft*``, mode slicing, complex ``einsum``,
 ``F.pad`` of the mode blocks, ``torch.zeros(...) + ...``) is handled by the
-first-party ``fft`` and ``spectral`` plugins; the lift/projection (1x1 convs,
+first-party ``fft`` and ``indexing_einsum`` plugins; the lift/projection (1x1 convs,
 ``linear``), activations and ``permute``/``reshape`` by the other plugins,
 PhysicsNeMo's built-ins and the DTensor fallback.
 
@@ -32,7 +32,7 @@ Configurations (small on purpose):
 ``padding=0, coord_features=False`` keep the main tests about the spectral ops;
 FNO's defaults (domain padding 8 with ``F.pad`` on the far end of H/W and the
 matching ``x[..., :-8, :-8]``; a *plain*, full-size coordinate grid concatenated
-to the sharded input, which ``misc_ops``'s ``cat`` cuts to each rank's rows) are
+to the sharded input, which ``layout_ops``'s ``cat`` cuts to each rank's rows) are
 tested as well, 2-D on 2 ranks and on the 2x2 mesh, 3-D on 2 ranks.
 
 On the 2x2 mesh, FNO's decoder flattens the H- and W-sharded grid into points

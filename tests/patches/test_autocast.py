@@ -152,13 +152,13 @@ RESAMPLING = _both({
     "bicubic-size": Case(lambda: lambda t: F.interpolate(t, size=(23, 5), mode="bicubic")),
     "pixel-shuffle": Case(lambda: nn.PixelShuffle(2)),
 })
-MISC_OPS = _both({
+LAYOUT_OPS = _both({
     "permute": Case(lambda: lambda t: t.permute(0, 2, 3, 1) * 1.5, options={"expected_placements": [Shard(1)]}),
     "cat-channels": Case(lambda: lambda t: torch.cat([t, 3 * t], dim=1)),
     "flatten-unflatten": Case(lambda: lambda t: t.flatten(2).unflatten(2, (17, 6)) * 1.5),
     "reshape": Case(lambda: lambda t: t.reshape(2, 2, 2, 17, 6).sum(1)),
 })
-MISC_OPS |= {
+LAYOUT_OPS |= {
     # prelu has a CPU autocast rule (lower precision); cat of bf16 and float32 promotes.
     "prelu": Case(lambda: nn.PReLU(4)),
     "prelu-per-channel-after-linear": Case(_after_linear(lambda: nn.PReLU(4))),
@@ -213,7 +213,7 @@ FAMILIES = {
     "pointwise": POINTWISE, "normalization": NORMALIZATION, "softmax_cumsum": SOFTMAX_CUMSUM,
     "roll_flip": ROLL_FLIP, "finite_differences": FINITE_DIFFERENCES, "padding": PADDING,
     "convolution": CONVOLUTION, "linear": LINEAR, "pooling": POOLING, "resampling": RESAMPLING, "fft": FFT,
-    "spectral": SPECTRAL, "afno": AFNO, "misc_ops": MISC_OPS,
+    "indexing_einsum": SPECTRAL, "afno": AFNO, "layout_ops": LAYOUT_OPS,
 }
 CASES = [(family, name) for family, cases in FAMILIES.items() for name in sorted(cases)]
 

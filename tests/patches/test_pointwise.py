@@ -10,8 +10,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches.pointwise import INPLACE_DELEGATED, POINTWISE_ACTIVATIONS, local_pointwise
-from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms
+from physicsnemo_shardext.patches.pointwise import INPLACE_DELEGATED, POINTWISE_ACTIVATIONS, local_pointwise, prelu_local
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -145,3 +145,44 @@ def test_activations_on_ddp_domain_mesh(ddp_domain_mesh):
     spec = ShardSpec(ddp_domain_mesh, [torch.distributed.tensor.Replicate(), Shard(2)], {1: [8, 3]})
     report = check_conformance(chain, [x], spec)
     assert report.comms.forward.total_calls == 0
+
+
+# -- prelu (moved here from the layout_ops family) -------------------------------------------
+def test_prelu_is_installed_by_the_plugin():
+    record = physicsnemo_shardext.get_registry().provenance(F.prelu)
+    assert record is not None and record.plugin.name == "pointwise" and record.declaration.handler is prelu_local
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("num_parameters", [1, 4])
+def test_prelu_reduces_the_weight_gradient(domain_mesh, num_parameters):
+    prelu = torch.nn.PReLU(num_parameters, init=0.3)
+    x = torch.randn(1, 4, 7, 3)
+    report = check_conformance(prelu, [x], ShardSpec(domain_mesh, [Shard(2)], [6, 1]))
+    assert report.comms.forward.total_calls == 0
+    assert report.comms.backward.counts == {"c10d.allreduce_": 1}  # the weight gradient, nothing else
+
+
+@pytest.mark.multirank(4)
+def test_prelu_on_2d_spatial_mesh(spatial_mesh):
+    prelu = torch.nn.PReLU(2, init=-0.2)
+    x = torch.randn(1, 2, 7, 5)
+    check_conformance(prelu, [x], ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [3, 4], 1: [5, 0]}))
+
+
+@pytest.mark.multirank(2)
+def test_prelu_refuses_a_sharded_weight(domain_mesh):
+    x = shard_tensor(torch.randn(1, 4, 6), domain_mesh, [Shard(2)], [4, 2])
+    weight = ShardTensor.from_local(torch.ones(2), domain_mesh, [Shard(0)], sharding_shapes={0: ((2,), (2,))})
+    with pytest.raises(MissingShardPatch, match="weight: expected a replicated tensor"):
+        prelu_local(F.prelu, (), (x, weight), {})
+    replicated = ShardTensor.from_local(torch.ones(1), domain_mesh, [Replicate()], sharding_shapes={})
+    assert prelu_local(F.prelu, (), (x, replicated), {}).to_local().shape == x.to_local().shape
+
+
+@pytest.mark.multirank(2)
+def test_prelu_refusals_name_the_failing_backward(domain_mesh, rank):
+    weight = torch.tensor([0.25])
+    partial = ShardTensor.from_local(torch.randn(1, 2, 4), domain_mesh, [Partial()], sharding_shapes={})
+    with pytest.raises(MissingShardPatch, match="Partial.*_prelu_kernel_backward"):
+        F.prelu(partial, weight)

@@ -128,9 +128,9 @@ def test_layout_and_rebuild_keep_uneven_shapes(domain_mesh, rank):
     assert dim_layout(x, 0) is None
     y = from_local_like(x.to_local()[:, :, :1], x)
     assert y.shape == (3, 11, 1) and y._spec.placements == (Shard(1),)
-    z = from_local_like(x.to_local()[:, : [4, 1][rank]], x, sizes={1: [4, 1]})
+    z = from_local_like(x.to_local()[:, : [4, 1][rank]], x, sizes_by_tensor_dim={1: [4, 1]})
     assert z.shape == (3, 5, 2)
     with pytest.raises(ValueError, match="holds"):
-        from_local_like(x.to_local(), x, sizes={1: [4, 1]})
+        from_local_like(x.to_local(), x, sizes_by_tensor_dim={1: [4, 1]})
     r = from_local_like(torch.ones(2), x, placements=[Replicate()])
     assert r.shape == (2,)

@@ -9,14 +9,14 @@ from torch.distributed.tensor import Shard
 
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import dim_layout
-from physicsnemo_shardext.primitives.transpose import balanced_sizes, move_shard, transpose_shard
+from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 
 def test_balanced_sizes_differ_by_at_most_one_larger_first():
-    assert balanced_sizes(7, 3) == (3, 2, 2)
-    assert balanced_sizes(2, 4) == (1, 1, 0, 0)
-    assert balanced_sizes(0, 2) == (0, 0)
+    assert balanced_split_sizes(7, 3) == (3, 2, 2)
+    assert balanced_split_sizes(2, 4) == (1, 1, 0, 0)
+    assert balanced_split_sizes(0, 2) == (0, 0)
 
 
 def _moved(src: int, dst: int, sizes=None):
@@ -40,7 +40,7 @@ def _moved_bytes(full: torch.Tensor, src: int, src_sizes, dst: int, dst_sizes, c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
 def test_transpose_matches_and_moves_only_foreign_pieces(domain_mesh, rank, src_sizes, dst_sizes, dtype):
     full = torch.randn(2, 6, 6, dtype=dtype)
-    dst = list(dst_sizes) if dst_sizes else list(balanced_sizes(6, 2))
+    dst = list(dst_sizes) if dst_sizes else list(balanced_split_sizes(6, 2))
     report = check_conformance(
         _moved(1, 2, dst_sizes), [full], ShardSpec(domain_mesh, [Shard(1)], src_sizes),
         expected_placements=[Shard(2)],

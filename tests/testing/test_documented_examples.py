@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, even_split_sizes, shard_tensor
+from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, chunk_split_sizes, shard_tensor
 
 # --8<-- [end:imports]
 
@@ -15,7 +15,7 @@ from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conforman
 @pytest.mark.multirank(2, timeout=60)
 def test_roundtrip(domain_mesh, rank):
     full = torch.randn(4, 17)  # identical on every rank (seeded per test)
-    xs = shard_tensor(full, domain_mesh, [Shard(1)], split_sizes=[10, 7])
+    xs = shard_tensor(full, domain_mesh, [Shard(1)], sizes_by_mesh_dim=[10, 7])
     assert xs.to_local().shape[1] == (10, 7)[rank]
     assert torch.equal(xs.full_tensor(), full)
 
@@ -27,7 +27,7 @@ def test_roundtrip(domain_mesh, rank):
 @pytest.mark.multirank(4)
 def test_sharding_helpers(domain_mesh, spatial_mesh):
     full = torch.randn(1, 2, 8, 6)
-    assert even_split_sizes(17, 2) == [9, 8]  # torch.chunk semantics, zero-padded
+    assert chunk_split_sizes(17, 2) == [9, 8]  # torch.chunk semantics, zero-padded
     xs = shard_tensor(full, domain_mesh, [Shard(2)], [3, 2, 2, 1], requires_grad=True)
     ys = shard_tensor(full, spatial_mesh, [Shard(2), Shard(3)], {0: [3, 5], 1: [4, 2]})
     assert torch.equal(xs.full_tensor(), full) and torch.equal(ys.full_tensor(), full)

@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from physicsnemo_shardext.testing import even_split_sizes, shard_tensor, sharding_shapes_for
+from physicsnemo_shardext.testing import chunk_split_sizes, shard_tensor, sharding_shapes_for
 from physicsnemo_shardext.testing.sharding import normalize_split_sizes
 
 
 @pytest.mark.parametrize("size,parts", [(17, 2), (5, 4), (8, 4), (0, 3), (3, 5), (100, 7)])
 def test_even_split_sizes_match_torch_chunk(size, parts):
     chunks = [c.shape[0] for c in torch.arange(size).chunk(parts)] if size else []
-    assert even_split_sizes(size, parts) == chunks + [0] * (parts - len(chunks))
+    assert chunk_split_sizes(size, parts) == chunks + [0] * (parts - len(chunks))
 
 
 def test_split_sizes_are_validated():

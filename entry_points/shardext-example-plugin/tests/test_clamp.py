@@ -1,5 +1,7 @@
 """Proof that the example plugin's clamp patch is right: the pattern to copy for your own patches."""
 
+import doctest
+
 import pytest
 import torch
 from torch.distributed.tensor import Shard
@@ -7,6 +9,7 @@ from torch.distributed.tensor import Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
+from shardext_example_plugin import clamp
 
 
 def test_plugin_is_installed_with_provenance():
@@ -30,3 +33,10 @@ def test_tensor_bounds_are_refused(domain_mesh):
     xs = shard_tensor(torch.randn(2, 11, 4), domain_mesh, [Shard(1)], [6, 5])
     with pytest.raises(MissingShardPatch, match="scalar min/max only"):
         torch.clamp(xs, min=torch.zeros(()))
+
+
+@pytest.mark.multirank(2)
+def test_docstring_examples_run_on_two_ranks(domain_mesh, rank):
+    # The examples in clamp.py's docstrings are documentation that cannot drift.
+    result = doctest.testmod(clamp, extraglobs={"mesh": domain_mesh, "rank": rank}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result

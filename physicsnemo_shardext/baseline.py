@@ -9,8 +9,8 @@ The registry state right after the built-ins are present is the *baseline*:
 every undo returns to it, and "overrides a built-in" means "replaces a
 baseline handler".
 
-Example:
-    >>> from physicsnemo_shardext.builtins import baseline, ensure_builtin_patches
+Examples:
+    >>> from physicsnemo_shardext.baseline import baseline, ensure_builtin_patches
     >>> ensure_builtin_patches()
     >>> len(baseline().as_dicts()["_function_registry"]) > 0
     True
@@ -54,7 +54,7 @@ def builtin_handler(target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) 
 
     An ``override`` patch uses this to delegate the cases the built-in handles well.
 
-    Example:
+    Examples:
         >>> import torch.nn.functional as F
         >>> builtin_handler(F.interpolate).__name__
         'generic_interpolate_wrapper'
@@ -63,21 +63,16 @@ def builtin_handler(target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) 
     if level is PatchLevel.ATTRIBUTE:
         # The value the owner held before any plugin replaced it (a staticmethod stays one).
         return shard_registries.original_attribute(target)
-    tables = baseline().as_dicts()
-    name = {
-        PatchLevel.FUNCTION: "_function_registry",
-        PatchLevel.NAMED: "_named_function_registry",
-        PatchLevel.DISPATCH: "_dispatch_registry",
-    }[level]
-    return tables[name].get(target)
+    return baseline().as_dicts()[shard_registries.table_name(level)].get(target)
 
 
 def handler_origin(handler: Callable) -> str:
     """Name who provides a baseline handler: ``"physicsnemo"`` or its module.
 
-    >>> from physicsnemo_shardext.builtins import handler_origin
-    >>> handler_origin(print)
-    'builtins'
+    Examples:
+        >>> from physicsnemo_shardext.baseline import handler_origin
+        >>> handler_origin(print)
+        'builtins'
     """
     module = getattr(handler, "__module__", None) or "unknown"
     if module == "physicsnemo" or module.startswith("physicsnemo."):

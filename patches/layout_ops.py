@@ -1,14 +1,14 @@
-"""Layout ops and PReLU on uneven shards: permute, transpose, contiguous/clone, cat, reshape, complex views, prelu.
+"""Layout ops on uneven shards: permute, transpose, contiguous/clone, cat, stack, flatten, reshape, complex views.
 
 PhysicsNeMo has no patch for these, so on a ShardTensor they take the DTensor
 fallback, which re-derives the output's shard sizes by *even chunking*
 whenever the output's shape, stride or placements differ from the input's.
 On uneven shards that fails (``expected local shape ... does not match``):
 a transpose or permute that renumbers the sharded dim, ``.contiguous()`` of a
-permuted tensor, a ``torch.cat`` of sharded feature maps along channels. And
-DTensor has no sharding rule for ``aten._prelu_kernel_backward``. PhysicsNeMo's
-own models hit all of them (UNet's attention gates and skip connections,
-SRResNet's ``PixelShuffle3d`` and ``PReLU``).
+a permuted tensor, a ``torch.cat`` of sharded feature maps along channels.
+PhysicsNeMo's own models hit all of them (UNet's attention gates and skip
+connections, SRResNet's ``PixelShuffle3d``). ``F.prelu``, which lived here
+before, is in the ``pointwise`` family.
 
 Every op here is local, with no communication in the forward pass, except a
 reshape or flatten that merges two sharded dims (one all-gather):
@@ -33,16 +33,13 @@ reshape or flatten that merges two sharded dims (one all-gather):
   to PhysicsNeMo's built-in;
 * ``.real`` / ``.imag`` / ``torch.real`` / ``torch.imag`` / ``view_as_real`` /
   ``view_as_complex`` (AFNO's spectral block): views of the local block, same
-  placements and row counts;
-* ``prelu``: elementwise on the local block; the (replicated) weight's gradient
-  is the sum over all shards, so it is all-reduced over the mesh dims that
-  shard the input, in the backward pass only.
+  placements and row counts.
 
 A plain DTensor with ``Shard`` placements next to ShardTensors in ``cat`` (FLARE's
 positional buffer, sharded DTensor's way in even chunks) is gathered first (one
 all-gather, differentiable), then cut to the ShardTensors' rows like a replicated input.
 
-Delegated (:func:`~physicsnemo_shardext.primitives.delegate`: the built-in for
+Delegated (`delegate`: the built-in for
 reshape/view, else the DTensor fallback), checked on 2 ranks: ``Partial`` inputs of
 ``cat`` and ``stack`` (GeoTransolver's context builder), of reshape/view, and of
 flatten/unflatten/complex views (as before this plugin); reshapes that merge no
@@ -58,40 +55,55 @@ gradients equal single-process).
 Refused (``MissingShardPatch``): a reshape/view/flatten that merges a sharded dim
 with dims in front of it holding more than one row (a batch of 2 samples per domain
 group merged with the sharded H, as FNO's decoder does: each rank's rows would
-interleave in the merged dim, which the built-in labels ``Shard`` anyway); ``Partial``
-inputs of prelu, a sharded prelu weight, a plain prelu input with a ShardTensor weight
-(the fallback's forward is right but its backward fails: DTensor has no rule for
-``aten._prelu_kernel_backward``); ``cat`` and ``stack`` of differently laid out
+interleave in the merged dim, which the built-in labels ``Shard`` anyway); ``cat`` and
+``stack`` of differently laid out
 inputs when a shard is uneven or empty (the fallback assumes ``torch.chunk`` rows: a
 size mismatch, e.g. "Sizes of tensors must match except in dimension 1", or the
 ``uneven_redistribute`` guard; checked on 2 ranks); a replicated ``cat`` input of the
 wrong size (torch rejects it too); ``unflatten`` cutting across a rank boundary (the
 fallback fails: "Cannot unflatten unevenly sharded tensor" even on 6/6 shards).
 
-Example (2 ranks, x of shape (1, 4, 7, 3) split 5 + 2 on dim 2)::
+Examples:
+    ``x`` of shape ``(1, 4, 7, 3)`` split 5 + 2 on dim 2, on 2 ranks:
 
-    y = x.permute(0, 2, 1, 3)          # Shard(1), rows (5, 2)
-    z = torch.cat([x, 2 * x], dim=1)   # Shard(2), rows (5, 2), 8 channels
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.arange(84.0).reshape(1, 4, 7, 3)
+    >>> x = shard_tensor(full, mesh, [Shard(2)], [5, 2])
+    >>> y = x.permute(0, 2, 1, 3)             # the shard follows its dim: Shard(1), rows 5/2
+    >>> y.placements, y.to_local().shape[1] == [5, 2][rank]
+    ((Shard(dim=1),), True)
+    >>> z = torch.cat([x, 2 * x], dim=1)      # 8 channels, rows still 5/2, no communication
+    >>> tuple(z.to_local().shape) == [(1, 8, 5, 3), (1, 8, 2, 3)][rank]
+    True
+    >>> torch.equal(z.full_tensor(), torch.cat([full, 2 * full], dim=1))
+    True
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives.delegation import delegate, fallback
-from physicsnemo_shardext.primitives.layout import build_shard_tensor, from_local_like, sharded_dims
-from physicsnemo_shardext.primitives.replicated import replicated_local, replicated_part, sum_grad_over
-from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    build_shard_tensor,
+    delegate,
+    describe_target,
+    fallback,
+    from_local_like,
+    is_partial,
+    replicated_part,
+    sharded_dims,
+)
 
 __all__ = [
-    "cat_local", "clone_local", "complex_view_local", "flatten_local", "gather_dims", "permute_local", "prelu_local",
+    "cat_local", "clone_local", "complex_view_local", "flatten_local", "gather_dims", "permute_local",
     "reshape_merging_sharded_dims", "stack_local", "transpose_local", "unflatten_local",
 ]
 
@@ -104,12 +116,18 @@ def _moved(x: ShardTensor, local: torch.Tensor, order: Sequence[int]) -> ShardTe
     return build_shard_tensor(local, x._spec.mesh, placements, sizes)
 
 
-def permute_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def permute_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``x.permute(*dims)`` / ``torch.permute(x, dims)`` on the local block; shards follow their dims.
 
-    Example::
-
-        patches.function(torch.Tensor.permute, permute_local)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> y = permute_local(torch.Tensor.permute, (), (x, 0, 2, 1, 3), {})
+        >>> y.placements, y.to_local().shape[1] == [5, 2][rank]
+        ((Shard(dim=1),), True)
     """
     x, *rest = args
     dims = kwargs.get("dims", rest[0] if len(rest) == 1 else rest)
@@ -119,12 +137,18 @@ def permute_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTe
     return _moved(x, x.to_local().permute(order), order)
 
 
-def transpose_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def transpose_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``x.transpose(d0, d1)`` / ``torch.transpose(x, d0, d1)`` on the local block.
 
-    Example::
-
-        patches.function(torch.transpose, transpose_local)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> y = transpose_local(torch.transpose, (), (x, 2, 3), {})
+        >>> y.placements, y.to_local().shape[3] == [5, 2][rank]
+        ((Shard(dim=3),), True)
     """
     x, *rest = args
     d0 = kwargs.get("dim0", rest[0] if rest else None)
@@ -135,30 +159,43 @@ def transpose_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Shard
     return _moved(x, x.to_local().transpose(d0, d1), order)
 
 
-def clone_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def clone_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``x.contiguous()`` / ``x.clone()`` on the local block; placements and row counts unchanged.
 
-    Example::
-
-        patches.function(torch.Tensor.contiguous, clone_local)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> y = clone_local(torch.Tensor.contiguous, (), (x.transpose(2, 3),), {})
+        >>> y.placements, y.to_local().is_contiguous(), y.to_local().shape[3] == [5, 2][rank]
+        ((Shard(dim=3),), True, True)
     """
     x, *rest = args
     return from_local_like(func(x.to_local(), *rest, **kwargs), x)
 
 
-def complex_view_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def complex_view_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``.real`` / ``.imag`` / ``torch.view_as_real`` / ``torch.view_as_complex`` as views of the local block.
 
     Placements and per-rank row counts are unchanged (``view_as_real`` appends an unsharded
     dim of 2, ``view_as_complex`` drops it); ``view_as_complex`` of a tensor sharded on its
     last dim goes to the DTensor fallback (which gathers it); ``Partial`` inputs too, as before.
 
-    Example::
-
-        x_real, x_imag = x_ft.real, x_ft.imag      # x_ft split 2/1 on dim 2: both split 2/1
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.complex(torch.arange(6.0), torch.ones(6)).reshape(2, 3)
+        >>> x_ft = shard_tensor(full, mesh, [Shard(1)], [2, 1])
+        >>> re = x_ft.real                         # split 2/1 on dim 1, like x_ft
+        >>> re.placements, torch.equal(re.to_local(), x_ft.to_local().real), re.to_local().shape[1] == [2, 1][rank]
+        ((Shard(dim=1),), True, True)
     """
     x, *rest = args
-    if not isinstance(x, ShardTensor) or rest or kwargs or any(p.is_partial() for p in x._spec.placements):
+    if not isinstance(x, ShardTensor) or rest or kwargs or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     rows = _row_counts(x)
     if func is torch.view_as_complex and (x.ndim - 1) in rows:
@@ -166,7 +203,9 @@ def complex_view_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> Sh
     return build_shard_tensor(func(x.to_local()), x._spec.mesh, x._spec.placements, rows)
 
 
-def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def flatten_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``x.flatten(start, end)`` / ``torch.flatten`` on the local block when only the group's first dim is sharded.
 
     Rows of the first dim stay contiguous in the flattened dim, so each rank's count is
@@ -175,14 +214,18 @@ def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTe
     sharded dim (batch 1) do not matter; a sharded dim behind dims holding more than one row
     (a batch of 2 flattened with ``h``) is refused, its rows would interleave across ranks.
 
-    Example::
-
-        y = x.flatten(2)       # x (1, 8, 8, 4) split 3/5 on dim 2 -> y (1, 8, 32) split 12/20
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> y = x.flatten(2)                       # (1, 4, 21): rows 5/2 become 15/6
+        >>> y.placements, y.to_local().shape[2] == [15, 6][rank]
+        ((Shard(dim=2),), True)
     """
     x, *rest = args
     start = kwargs.get("start_dim", rest[0] if rest else 0)
     end = kwargs.get("end_dim", rest[1] if len(rest) > 1 else -1)
-    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
+    if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     if x.ndim == 0:
         return from_local_like(func(x.to_local(), *rest, **kwargs), x)
@@ -218,20 +261,26 @@ def flatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTe
     return build_shard_tensor(x.to_local().flatten(start, end), x._spec.mesh, placements, sizes)
 
 
-def unflatten_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def unflatten_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``x.unflatten(dim, sizes)`` / ``torch.unflatten`` on the local block.
 
     A sharded ``dim`` splits into ``sizes`` with the first new dim sharded; every rank's row
     count must be a multiple of the product of the other new sizes (else refused).
 
-    Example::
-
-        y = x.unflatten(2, (8, 4))   # x (1, 8, 32) split 12/20 on dim 2 -> y (1, 8, 8, 4) split 3/5
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> y = x.flatten(2).unflatten(2, (7, 3))  # rows 15/6 back to 5/2
+        >>> y.placements, y.to_local().shape[2] == [5, 2][rank]
+        ((Shard(dim=2),), True)
     """
     x, *rest = args
     dim = kwargs.get("dim", rest[0] if rest else None)
     shape = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
-    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
+    if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     dim = int(dim) % x.ndim
     rows = _row_counts(x)
@@ -290,26 +339,42 @@ def gather_dims(x: ShardTensor, dims: Sequence[int]) -> ShardTensor:
     over two, so the inner dims are gathered first. Differentiable; the backward pass keeps
     this rank's rows (the gradient of the now replicated dims is replicated).
 
-    Example::
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> whole = gather_dims(x, [2])            # one all-gather with the true 5/2 sizes
+        >>> whole.placements, tuple(whole.to_local().shape)
+        ((Replicate(),), (1, 4, 7, 3))
 
-        points = gather_dims(grid, [2]).reshape(-1, channels)   # grid sharded on H (mesh 0) and W (mesh 1)
+        On a 2-D mesh (not run here), a grid sharded on H (mesh dim 0) and W (mesh dim 1):
+
+        ```python
+        points = gather_dims(grid, [3]).permute(0, 2, 3, 1).reshape(-1, channels)
+        ```
     """
     placements = [Replicate() if isinstance(p, Shard) and p.dim % x.ndim in dims else p for p in x._spec.placements]
     return x.redistribute(x._spec.mesh, placements)
 
 
-def reshape_merging_sharded_dims(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+def reshape_merging_sharded_dims(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``reshape``/``view`` that merges two sharded dims: gather the inner one first, then the built-in.
 
     Every other reshape goes to PhysicsNeMo's built-in handler unchanged.
 
-    Example::
+    Examples:
+        On a 2-D mesh (not run here: the doctests have a 1-D one), a grid ``(1, c, H, W)``
+        sharded on H and W:
 
-        points = grid.permute(0, 2, 3, 1).reshape(-1, c)   # grid (1, c, H, W) sharded on H and W
+        ```python
+        points = grid.permute(0, 2, 3, 1).reshape(-1, c)
         # points: (H*W, c), Shard(0) over the H mesh dim (rows H_i * W), Replicate over the W mesh dim
+        ```
     """
     x, *rest = args
-    if isinstance(x, ShardTensor) and not any(p.is_partial() for p in x._spec.placements):
+    if isinstance(x, ShardTensor) and not is_partial(x):
         shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
         if isinstance(shape, int):
             shape = (shape,)
@@ -358,7 +423,9 @@ def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
     return {d: layout.sizes for d, layout in sharded_dims(x).items()}
 
 
-def _identical_shard_inputs(func: Any, args: tuple, kwargs: dict, verb: str) -> tuple[list[ShardTensor], int]:
+def _identical_shard_inputs(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], verb: str
+) -> tuple[list[ShardTensor], int]:
     """The ``tensors`` and ``dim`` of a cat/stack call, refused unless every input is sharded identically."""
     tensors = list(kwargs.get("tensors", args[0] if args else ()))
     dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
@@ -381,16 +448,22 @@ def _identical_shard_inputs(func: Any, args: tuple, kwargs: dict, verb: str) -> 
     return tensors, dim
 
 
-def cat_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def cat_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``torch.cat(tensors, dim)`` of identically sharded tensors along a dimension that is not sharded.
 
-    Example::
-
-        patches.function(torch.cat, cat_local)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> z = cat_local(torch.cat, (), ([x, 2 * x], 1), {})
+        >>> z.placements, tuple(z.to_local().shape) == [(1, 8, 5, 3), (1, 8, 2, 3)][rank]
+        ((Shard(dim=2),), True)
     """
     tensors = list(kwargs.get("tensors", args[0] if args else ()))
     dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
-    if any(_is_partial(t) for t in tensors):
+    if any(is_partial(t) for t in tensors):
         # DTensor's cat of Partial(sum) operands is right (GeoTransolver's context builder).
         return delegate(func, types, args, kwargs)
     if _delegate_differently_sharded(tensors):
@@ -454,11 +527,6 @@ def _dtensor_chunks(t: ShardTensor) -> bool:
     return True
 
 
-def _is_partial(t: Any) -> bool:
-    """Whether ``t`` is a ShardTensor or DTensor with a ``Partial`` placement."""
-    return isinstance(t, (ShardTensor, DTensor)) and any(p.is_partial() for p in t.placements)
-
-
 def _gathered(value: Any) -> Any:
     """A plain DTensor with ``Shard`` placements as a full plain tensor (differentiable all-gather); else ``value``."""
     if isinstance(value, DTensor) and not isinstance(value, ShardTensor) and not all(
@@ -479,17 +547,23 @@ def _replicated_rows(value: Any, like: ShardTensor, func: Any) -> ShardTensor:
     return from_local_like(replicated_part(value, like, f"{name}: replicated input"), like)
 
 
-def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+def stack_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ShardTensor:
     """``torch.stack(tensors, dim)`` of identically sharded tensors: local stack along the new (unsharded) dim.
 
     Sharded dims at or after ``dim`` move up by one and keep their row counts.
 
-    Example::
-
-        o2 = torch.stack([re, im], dim=-1)   # both split 5/2 on dim 2 -> split 5/2 on dim 2
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(84.0).reshape(1, 4, 7, 3), mesh, [Shard(2)], [5, 2])
+        >>> o2 = stack_local(torch.stack, (), ([x, 2 * x],), {"dim": -1})
+        >>> o2.placements, tuple(o2.to_local().shape) == [(1, 4, 5, 3, 2), (1, 4, 2, 3, 2)][rank]
+        ((Shard(dim=2),), True)
     """
     tensors = list(kwargs.get("tensors", args[0] if args else ()))
-    if any(_is_partial(t) for t in tensors):
+    if any(is_partial(t) for t in tensors):
         return delegate(func, types, args, kwargs)  # DTensor stacks Partial(sum) operands right
     if _delegate_differently_sharded(tensors, plain_too=True):
         return delegate(func, types, args, kwargs)
@@ -505,34 +579,7 @@ def stack_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTens
     return build_shard_tensor(local, first._spec.mesh, new_placements, sizes)
 
 
-def prelu_local(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
-    """``F.prelu(x, weight)`` on the local block; the weight gradient is summed over the shards.
-
-    Example::
-
-        patches.function(torch.nn.functional.prelu, prelu_local)
-    """
-    x = kwargs.get("input", args[0] if args else None)
-    weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
-    name = describe_target(func)
-    if not isinstance(x, ShardTensor):
-        raise MissingShardPatch(
-            f"{name}: the input must be the ShardTensor (weight {type(weight).__name__}; the DTensor fallback's "
-            "backward fails: no rule for aten._prelu_kernel_backward)"
-        )
-    placements = tuple(x._spec.placements)
-    if any(p.is_partial() for p in placements):
-        raise MissingShardPatch(
-            f"{name}: input has a Partial placement {placements} (the DTensor fallback sums it right in the "
-            "forward, but its backward fails: no rule for aten._prelu_kernel_backward)"
-        )
-    w = replicated_local(weight, f"{name}: weight")
-    shard_mesh_dims = tuple(i for i, p in enumerate(placements) if isinstance(p, Shard))
-    w = sum_grad_over(w, x._spec.mesh, shard_mesh_dims)
-    return from_local_like(F.prelu(x.to_local(), w), x)
-
-
-_TARGETS: tuple[tuple[Any, Any, str], ...] = (
+_TARGETS: tuple[tuple[Any, FunctionHandler, str], ...] = (
     (torch.Tensor.permute, permute_local, "permute the local block; Shard dims follow (no communication)"),
     (torch.permute, permute_local, "permute the local block; Shard dims follow (no communication)"),
     (torch.Tensor.transpose, transpose_local, "transpose the local block; Shard dims follow (no communication)"),
@@ -541,7 +588,6 @@ _TARGETS: tuple[tuple[Any, Any, str], ...] = (
     (torch.Tensor.clone, clone_local, "clone of the local block, same shards (no communication)"),
     (torch.clone, clone_local, "clone of the local block, same shards (no communication)"),
     (torch.cat, cat_local, "cat of identically sharded tensors along an unsharded dim (no communication)"),
-    (F.prelu, prelu_local, "prelu on the local block; weight gradient all-reduced over the shards"),
     (torch.stack, stack_local, "stack of identically sharded tensors along a new dim (no communication)"),
     (torch.Tensor.flatten, flatten_local, "flatten with the sharded dim first of the group: local, rows scale"),
     (torch.flatten, flatten_local, "flatten with the sharded dim first of the group: local, rows scale"),
@@ -556,15 +602,10 @@ _TARGETS: tuple[tuple[Any, Any, str], ...] = (
 )
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor spec API."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
-    """Declare the local layout handlers and prelu."""
+def shardext_declare_patches(patches: PatchSet) -> None:
+    """Declare the local layout handlers, and the reshapes that merge two sharded dims (override)."""
     for target, handler, description in _TARGETS:
         patches.function(target, handler, description=description)
     for target in (torch.Tensor.reshape, torch.reshape, torch.Tensor.view):

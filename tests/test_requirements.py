@@ -1,8 +1,8 @@
-"""Tests of physicsnemo_shardext.compat."""
+"""Tests of physicsnemo_shardext.requirements."""
 
 import pytest
 
-from physicsnemo_shardext.compat import incompatibility, installed_version
+from physicsnemo_shardext.requirements import incompatibility, installed_version
 
 
 def test_met_requirements():

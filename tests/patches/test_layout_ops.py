@@ -1,4 +1,7 @@
-"""Tests of the misc_ops plugin (patches/misc_ops.py): permute, transpose, contiguous/clone, cat, prelu."""
+"""Tests of the layout_ops plugin (patches/layout_ops.py): permute, transpose, contiguous/clone, cat, stack, views.
+
+PReLU, which lived in this family before, is tested in ``test_pointwise.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +13,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches.misc_ops import (
+from physicsnemo_shardext.patches.layout_ops import (
     cat_local,
     complex_view_local,
     flatten_local,
-    prelu_local,
     stack_local,
     unflatten_local,
 )
@@ -77,11 +79,11 @@ def _expected(name: str, placements: list) -> list:
 
 def test_every_target_is_installed_by_the_plugin():
     registry = physicsnemo_shardext.get_registry()
-    for target in (torch.cat, F.prelu, torch.Tensor.permute, torch.Tensor.transpose, torch.Tensor.contiguous,
+    for target in (torch.cat, torch.Tensor.permute, torch.Tensor.transpose, torch.Tensor.contiguous,
                    torch.stack, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten, torch.unflatten,
                    torch.Tensor.real.__get__, torch.Tensor.imag.__get__, torch.view_as_real, torch.view_as_complex):
         record = registry.provenance(target)
-        assert record is not None and record.plugin.name == "misc_ops"
+        assert record is not None and record.plugin.name == "layout_ops"
 
 
 @pytest.mark.multirank(2)
@@ -114,23 +116,6 @@ def test_layout_op_on_2d_spatial_mesh(spatial_mesh, name):
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("num_parameters", [1, 4])
-def test_prelu_reduces_the_weight_gradient(domain_mesh, num_parameters):
-    prelu = torch.nn.PReLU(num_parameters, init=0.3)
-    x = torch.randn(1, 4, 7, 3)
-    report = check_conformance(prelu, [x], ShardSpec(domain_mesh, [Shard(2)], [6, 1]))
-    assert report.comms.forward.total_calls == 0
-    assert report.comms.backward.counts == {"c10d.allreduce_": 1}  # the weight gradient, nothing else
-
-
-@pytest.mark.multirank(4)
-def test_prelu_on_2d_spatial_mesh(spatial_mesh):
-    prelu = torch.nn.PReLU(2, init=-0.2)
-    x = torch.randn(1, 2, 7, 5)
-    check_conformance(prelu, [x], ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [3, 4], 1: [5, 0]}))
-
-
-@pytest.mark.multirank(2)
 def test_cat_refuses_what_it_cannot_do(domain_mesh):
     x = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [5, 2])
     other_split = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [4, 3])
@@ -157,16 +142,6 @@ class CatsAGrid(torch.nn.Module):
 def test_cat_cuts_replicated_inputs_to_the_rows(domain_mesh, split):
     report = check_conformance(CatsAGrid(), [torch.randn(1, 3, 7, 3)], ShardSpec(domain_mesh, [Shard(2)], split))
     assert report.comms.forward.total_calls == 0
-
-
-@pytest.mark.multirank(2)
-def test_prelu_refuses_a_sharded_weight(domain_mesh):
-    x = shard_tensor(torch.randn(1, 4, 6), domain_mesh, [Shard(2)], [4, 2])
-    weight = ShardTensor.from_local(torch.ones(2), domain_mesh, [Shard(0)], sharding_shapes={0: ((2,), (2,))})
-    with pytest.raises(MissingShardPatch, match="weight: expected a replicated tensor"):
-        prelu_local(F.prelu, (), (x, weight), {})
-    replicated = ShardTensor.from_local(torch.ones(1), domain_mesh, [Replicate()], sharding_shapes={})
-    assert prelu_local(F.prelu, (), (x, replicated), {}).to_local().shape == x.to_local().shape
 
 
 @pytest.mark.multirank(2)
@@ -212,7 +187,7 @@ def test_view_as_complex_of_a_sharded_last_dim_is_delegated_to_the_fallback(doma
     full = torch.randn(3, 2, dtype=torch.float64)
     _assert_delegated(torch.view_as_complex, [full],
                       [lambda: shard_tensor(full, domain_mesh, [Shard(1)], [1, 1], requires_grad=True)],
-                      "misc_ops", (Replicate(),))
+                      "layout_ops", (Replicate(),))
 
 
 @pytest.mark.multirank(2)
@@ -223,7 +198,7 @@ def test_cat_along_the_sharded_dim_is_delegated_to_the_fallback(domain_mesh, spl
     _assert_delegated(lambda x, y: torch.cat([x, y], 2), [a, b],
                       [lambda: shard_tensor(a, domain_mesh, [Shard(2)], split, requires_grad=True),
                        lambda: shard_tensor(b, domain_mesh, [Shard(2)], split, requires_grad=True)],
-                      "misc_ops", (Replicate(),))
+                      "layout_ops", (Replicate(),))
 
 
 LAYOUTS = {
@@ -248,7 +223,7 @@ def test_cat_and_stack_of_different_layouts_with_dtensor_chunks_are_delegated(do
              for i, shape in enumerate(shapes)]
     makers = [lambda f=f, p=p, split=split: shard_tensor(f, domain_mesh, [p], split, requires_grad=True)
               for f, (p, split) in zip(fulls, layouts)]
-    _assert_delegated(lambda *ts: getattr(torch, op)(list(ts), dim=dim), fulls, makers, "misc_ops", placements)
+    _assert_delegated(lambda *ts: getattr(torch, op)(list(ts), dim=dim), fulls, makers, "layout_ops", placements)
 
 
 @pytest.mark.multirank(2)
@@ -256,7 +231,7 @@ def test_stack_with_a_plain_tensor_and_dtensor_chunks_is_delegated(domain_mesh):
     a, b = torch.randn(2, 1, 2, 7, dtype=torch.float64)
     xs = shard_tensor(a, domain_mesh, [Shard(2)], [4, 3])
     out = torch.stack([xs, b], dim=0)
-    with physicsnemo_shardext.disabled(plugins=["misc_ops"]):
+    with physicsnemo_shardext.disabled(plugins=["layout_ops"]):
         baseline = torch.stack([xs, b], dim=0)
     assert tuple(out.placements) == tuple(baseline.placements) == (Shard(3),)
     torch.testing.assert_close(out.full_tensor(), torch.stack([a, b]))
@@ -269,14 +244,6 @@ def test_stack_of_different_shapes_gets_torchs_error(domain_mesh):
     y = shard_tensor(torch.randn(1, 7, 2), domain_mesh, [Shard(1)], [5, 2])
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         torch.stack([x, y])
-
-
-@pytest.mark.multirank(2)
-def test_prelu_refusals_name_the_failing_backward(domain_mesh, rank):
-    weight = torch.tensor([0.25])
-    partial = ShardTensor.from_local(torch.randn(1, 2, 4), domain_mesh, [Partial()], sharding_shapes={})
-    with pytest.raises(MissingShardPatch, match="Partial.*_prelu_kernel_backward"):
-        F.prelu(partial, weight)
 
 
 @pytest.mark.multirank(2)
@@ -326,7 +293,7 @@ def test_reshape_is_an_override_that_delegates_to_the_builtin():
     registry = physicsnemo_shardext.get_registry()
     for target in (torch.Tensor.reshape, torch.reshape, torch.Tensor.view):
         record = registry.provenance(target)
-        assert record is not None and record.plugin.name == "misc_ops" and record.replaced is not None
+        assert record is not None and record.plugin.name == "layout_ops" and record.replaced is not None
 
 
 # -- the override rule: what the handlers do not handle goes to what they replaced -----------------
@@ -347,7 +314,7 @@ def test_partial_inputs_of_cat_and_stack_are_delegated(domain_mesh, rank, op):
     func = getattr(torch, op)
     out = func([pa, pb], dim=1)
     torch.testing.assert_close(out.full_tensor(), func([a, b], dim=1))
-    with physicsnemo_shardext.disabled(plugins=["misc_ops"]):
+    with physicsnemo_shardext.disabled(plugins=["layout_ops"]):
         baseline = func([pa, pb], dim=1)
     assert tuple(out._spec.placements) == tuple(baseline._spec.placements)
     torch.testing.assert_close(out.to_local(), baseline.to_local())

@@ -1,6 +1,8 @@
-"""Spectral-layer ops on a sharded spectrum: mode slicing, einsum with replicated weights, slice assignment.
+"""Indexing, einsum and realigned add on uneven shards: the ops of the FNO spectral block.
 
-What an FNO layer does between ``rfft2`` and ``irfft2`` (see ``patches/fft.py``,
+Basic indexing (``__getitem__``), slice assignment (``__setitem__``), ``torch.einsum``
+with replicated operands, and the add of a replicated or differently split tensor:
+what an FNO layer does between ``rfft2`` and ``irfft2`` (see ``patches/fft.py``,
 whose spectrum is sharded on the last, ``W//2+1`` frequency dim on a 1-D mesh, and
 on both frequency dims, ``[Shard(W_f), Shard(H_f)]``, on a 2-D pencil mesh; every
 op below works per sharded dim, so both cases take the same code):
@@ -32,7 +34,7 @@ op below works per sharded dim, so both cases take the same code):
   written into the caller's tensor, found behind the ``Replicate`` DTensor that
   ShardTensor promotes it to. What follows runs on the full buffer on every
   rank (correct, not domain-parallel); layers that do this should be run inside
-  ``primitives.allocation.sharded_allocations`` (see ``patches/afno.py``).
+  ``primitives.sharded_allocations`` (see ``patches/afno.py``).
 * ``replicated + shard`` (``torch.add``, ``Tensor.add``, ``+``): a replicated
   tensor (a plain one, promoted to ``Replicate``, or a ``Replicate`` DTensor
   parameter) that broadcasts against the ShardTensor without enlarging it is
@@ -73,13 +75,24 @@ which the local-block path would get wrong, are gathered by the fallback);
 plain tensor (a ``distribute_module`` buffer), any split, or into a ``Shard``
 DTensor with a value holding ``torch.chunk``'s rows (values checked).
 
+Examples:
+    A spectrum sharded on dim 3, split 5/4 on 2 ranks; no op below communicates:
 
-Example (2 ranks, spectrum sharded on dim 3, split 5/4)::
-
-    low = x_ft[:, :, :4, :6]                          # split 5/1 on dim 3
-    y = torch.einsum("bixy,ioxy->boxy", low, w)       # w replicated (i, o, 4, 6)
-    out = torch.zeros_like(x_ft)                      # a ShardTensor buffer, split like x_ft
-    out[:, :, :4, :6] = y                             # local writes (here i == o)
+    >>> from torch.distributed.tensor import Shard
+    >>> from physicsnemo_shardext.testing import shard_tensor
+    >>> full = torch.linspace(-1, 1, 2 * 6 * 9).reshape(1, 2, 6, 9)
+    >>> x_ft = shard_tensor(full, mesh, [Shard(3)], [5, 4])
+    >>> low = x_ft[:, :, :4, :6]                      # rows 0-5 of dim 3: split 5/1
+    >>> low.to_local().shape[3] == [5, 1][rank]
+    True
+    >>> w = torch.linspace(0, 1, 2 * 2 * 4 * 6).reshape(2, 2, 4, 6)   # replicated (i, o, 4, 6)
+    >>> y = torch.einsum("bixy,ioxy->boxy", low, w)   # w cut to each rank's rows
+    >>> y.placements, torch.allclose(y.full_tensor(), torch.einsum("bixy,ioxy->boxy", full[:, :, :4, :6], w))
+    ((Shard(dim=3),), True)
+    >>> out = torch.zeros_like(x_ft)                  # a ShardTensor buffer, split like x_ft
+    >>> out[:, :, :4, :6] = y                         # local writes (here i == o)
+    >>> torch.equal(out.full_tensor()[:, :, :4, :6], y.full_tensor()), out.to_local().shape[3] == [5, 4][rank]
+    (True, True)
 """
 
 from __future__ import annotations
@@ -93,11 +106,22 @@ import torch
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from physicsnemo_shardext import MissingShardPatch, hookimpl
-from physicsnemo_shardext.primitives import delegate, fallback  # looked up when called (fallback_fix)
-from physicsnemo_shardext.primitives.index_exchange import gather_global_indices
-from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
-from physicsnemo_shardext.primitives.replicated import gather_full, replicated_local, replicated_part, sum_grad_over
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    build_shard_tensor,
+    delegate,
+    describe_target,
+    fallback,
+    gather_full,
+    gather_global_indices,
+    is_partial,
+    replicated_local,
+    replicated_part,
+    sharded_dims,
+    sum_grad_over,
+)
 
 __all__ = ["plan_index", "replicated_add", "sharded_einsum", "sharded_getitem", "sharded_setitem"]
 
@@ -186,15 +210,21 @@ def _placements_for(x: ShardTensor, plan: IndexPlan) -> list[Any]:
     return placements
 
 
-def sharded_getitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def sharded_getitem(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``x[index]`` on each rank's own rows for basic indices; other forms take the DTensor fallback.
 
-    Example::
-
-        x_ft[:, :, -4:, :6]      # uneven shards of dim 3, no communication
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x_ft = shard_tensor(torch.arange(18.0).reshape(2, 9), mesh, [Shard(1)], [5, 4])
+        >>> top = sharded_getitem(torch.Tensor.__getitem__, (), (x_ft, (slice(None), slice(None, 6))), {})
+        >>> top.to_local().shape[1] == [5, 1][rank], torch.equal(top.full_tensor(), x_ft.full_tensor()[:, :6])
+        (True, True)
     """
     x, index = args[0], args[1]
-    if not isinstance(x, ShardTensor) or any(p.is_partial() for p in x._spec.placements):
+    if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)
     try:
         plan = plan_index(x, index)
@@ -205,17 +235,23 @@ def sharded_getitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
 
 
 # -- slice assignment ---------------------------------------------------------------------
-def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> None:
+def sharded_setitem(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """``out[index] = value`` for a ShardTensor ``out``: local writes, autograd-correct.
 
     ``value`` is a number, a ShardTensor split like the target region (as a slice of a
     tensor sharded like ``out`` is), or a replicated tensor of the region's global shape.
     A plain ``out`` receives the gathered value instead (see ``_write_into_plain``).
 
-    Example::
-
-        out = torch.zeros_like(x_ft)
-        out[:, :, :4, :6] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :4, :6], w)
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x_ft = shard_tensor(torch.arange(18.0).reshape(2, 9), mesh, [Shard(1)], [5, 4])
+        >>> out = torch.zeros_like(x_ft)                # sharded like x_ft
+        >>> out[:, 2:7] = 2 * x_ft[:, 2:7]             # each rank writes its own rows
+        >>> out.full_tensor()[0].tolist()
+        [0.0, 0.0, 4.0, 6.0, 8.0, 10.0, 12.0, 0.0, 0.0]
     """
     target, index, value = args[0], args[1], args[2]
     if not isinstance(target, ShardTensor):
@@ -223,7 +259,7 @@ def sharded_setitem(func: Callable, types: tuple, args: tuple, kwargs: dict) -> 
             return delegate(func, types, args, kwargs)
         _write_into_plain(target, index, value)
         return
-    if any(p.is_partial() for p in target._spec.placements):
+    if is_partial(target):
         raise MissingShardPatch(
             f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements} (the DTensor "
             "fallback fails too: aten.fill_.Tensor has no sharding strategy); redistribute the target first"
@@ -260,7 +296,7 @@ def _fallback_writes_into(target: Any, value: Any) -> bool:
     """
     if not isinstance(target, DTensor) or not isinstance(value, ShardTensor):
         return False
-    if any(p.is_partial() for p in target.placements) or any(p.is_partial() for p in value.placements):
+    if is_partial(target) or is_partial(value):
         return False
     return all(p.is_replicate() for p in target.placements) or _in_dtensor_layout(value)
 
@@ -338,7 +374,9 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
 
 
 # -- adding a replicated buffer -------------------------------------------------------------
-def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def replicated_add(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``replicated + shard`` (either order): add this rank's part of the replicated tensor locally.
 
     PhysicsNeMo's ``SpectralConv2d`` starts from ``torch.zeros(B, Co, H, W//2+1)`` (plain,
@@ -351,10 +389,21 @@ def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
     Every other addition (one that enlarges the ShardTensor, scalars, ``alpha=``) goes to
     the DTensor fallback as before.
 
-    Example::
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x_ft = shard_tensor(torch.arange(18.0).reshape(2, 9), mesh, [Shard(1)], [5, 4])
+        >>> bias = torch.arange(9.0)                    # replicated, broadcast over dim 0
+        >>> y = replicated_add(torch.add, (), (x_ft, bias), {})
+        >>> y.to_local().shape[1] == [5, 4][rank], torch.equal(y.full_tensor(), x_ft.full_tensor() + bias)
+        (True, True)
 
+        In PhysicsNeMo's layers (not run here):
+
+        ```python
         out_ft = torch.zeros(x_ft.shape, dtype=torch.cfloat) + F.pad(modes, (0, w - m2, 0, h - m1))
         tokens = tokens + pos_embed          # pos_embed (1, N, D), trainable
+        ```
     """
     if len(args) != 2 or kwargs:
         return fallback(func, args, kwargs)
@@ -380,19 +429,15 @@ def replicated_add(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
         and isinstance(rep, DTensor)
         and not isinstance(rep, ShardTensor)
         and all(isinstance(p, Replicate) for p in rep.placements)
-        and not any(p.is_partial() for p in shard._spec.placements)
+        and not is_partial(shard)
         and torch.broadcast_shapes(rep.shape, shard.shape) == shard.shape
     ):
         return fallback(func, args, kwargs)
-    part = replicated_part(rep, shard, f"{_name(func)}: replicated operand")
+    part = replicated_part(rep, shard, f"{describe_target(func)}: replicated operand")
     local = shard.to_local() + part if shard is a else part + shard.to_local()
     layouts = sharded_dims(shard)
     return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements,
                               {d: l.sizes for d, l in layouts.items()})
-
-
-def _name(func: Callable) -> str:
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
 
 
 def _same_placements(a: Any, b: Any) -> bool:
@@ -402,7 +447,7 @@ def _same_placements(a: Any, b: Any) -> bool:
         and tuple(a.shape) == tuple(b.shape)
         and a._spec.mesh == b._spec.mesh
         and tuple(a._spec.placements) == tuple(b._spec.placements)
-        and not any(p.is_partial() for p in a._spec.placements)
+        and not is_partial(a)
     )
 
 
@@ -447,7 +492,9 @@ def _in_dtensor_layout(op: Any) -> bool:
     return all(list(l.sizes) == [len(c) for c in torch.arange(l.total).chunk(l.parts)] for l in layouts)
 
 
-def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+def sharded_einsum(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """``torch.einsum`` on local blocks; replicated operands cut to this rank's rows, their grads summed.
 
     What the local-block path cannot run goes to the DTensor fallback (``delegate``) where that is
@@ -457,9 +504,14 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
     sharded operand, a sharded plain DTensor) where every ShardTensor operand holds ``torch.chunk``'s
     rows. On other splits the fallback raises or hangs, so those are refused.
 
-    Example::
-
-        torch.einsum("bixy,ioxy->boxy", x_ft_modes, weights)   # x sharded on y: output sharded on y
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x_ft = shard_tensor(torch.arange(18.0).reshape(2, 9), mesh, [Shard(1)], [5, 4])
+        >>> w = torch.linspace(0, 1, 27).reshape(3, 9)            # replicated, shares the sharded index
+        >>> y = sharded_einsum(torch.einsum, (), ("by,cy->bcy", x_ft, w), {})
+        >>> y.placements, torch.allclose(y.full_tensor(), torch.einsum("by,cy->bcy", x_ft.full_tensor(), w))
+        ((Shard(dim=2),), True)
     """
     equation, *operands = args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -467,7 +519,7 @@ def sharded_einsum(func: Callable, types: tuple, args: tuple, kwargs: dict) -> A
     if kwargs:
         raise MissingShardPatch(f"torch.einsum on ShardTensors: keyword arguments {sorted(kwargs)}")
     try:
-        if any(p.is_partial() for op in operands for p in _placements(op)):
+        if any(is_partial(op) for op in operands):
             if not any(p.is_shard() for op in operands for p in _placements(op)):
                 # A Partial(sum) operand, the others replicated: the fallback keeps or reduces the
                 # pending sum as einsum's linearity allows (two Partial operands included).
@@ -558,14 +610,9 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     return build_shard_tensor(result, mesh, placements, dim_sizes)
 
 
-@hookimpl
-def shardext_requirements() -> dict[str, str]:
-    """This plugin relies on PhysicsNeMo 2.2's ShardTensor internals."""
-    return {"nvidia-physicsnemo": ">=2.2,<2.3"}
-
 
 @hookimpl
-def shardext_declare_patches(patches: Any) -> None:
+def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare mode slicing, einsum and slice assignment on ShardTensors."""
     patches.function(torch.Tensor.__getitem__, sharded_getitem,
                      description="basic slicing on each rank's own rows (uneven result, no communication)")

@@ -1,4 +1,4 @@
-"""Tests of the spectral-ops plugin (patches/spectral.py) and of whole FNO spectral blocks with patches/fft.py."""
+"""Tests of the spectral-ops plugin (patches/indexing_einsum.py) and of whole FNO spectral blocks with patches/fft.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.primitives.transpose import balanced_sizes
+from physicsnemo_shardext.primitives import balanced_split_sizes
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, check_delegation, shard_tensor
 
 
@@ -121,7 +121,7 @@ PARTIAL_EINSUMS = {
 def test_einsum_with_a_partial_operand_is_delegated(domain_mesh, rank, name):
     # Linear in the Partial(sum) operand: the DTensor fallback keeps the pending sum (forward and grads right).
     full = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
-    check_delegation(PARTIAL_EINSUMS[name], full, domain_mesh, rank, "spectral", (Partial(),), exact=False)
+    check_delegation(PARTIAL_EINSUMS[name], full, domain_mesh, rank, "indexing_einsum", (Partial(),), exact=False)
 
 
 # Einsums the local-block path cannot run, on torch.chunk splits (DTensor's own layout), where the
@@ -163,7 +163,7 @@ def test_einsums_on_torch_chunk_layouts_are_delegated(domain_mesh, rank, name):
     for disabled in (False, True):
         ops, leaves = _einsum_operands(specs, domain_mesh, rank, fulls, shares)
         if disabled:
-            with physicsnemo_shardext.disabled(plugins=["spectral"]):
+            with physicsnemo_shardext.disabled(plugins=["indexing_einsum"]):
                 out = torch.einsum(equation, *ops)
         else:
             out = torch.einsum(equation, *ops)
@@ -231,7 +231,7 @@ def test_setitem_refusals_where_the_fallback_fails_or_is_wrong(domain_mesh, rank
     xs = shard_tensor(torch.randn(5, 3), domain_mesh, [Shard(0)], [3, 2]) * 1.0
     with pytest.raises(MissingShardPatch, match="int index on sharded dim 0.*fallback fails too"):
         xs[3] = 7.0
-    with physicsnemo_shardext.disabled(plugins=["spectral"]), pytest.raises(NotImplementedError, match="fill_"):
+    with physicsnemo_shardext.disabled(plugins=["indexing_einsum"]), pytest.raises(NotImplementedError, match="fill_"):
         xs[3] = 7.0
 
 
@@ -373,7 +373,7 @@ def test_spectral_layer_moves_each_local_spectrum_once_per_transpose(domain_mesh
     #   rfft2 : local spectrum (B, CI, h_r, W//2+1) minus its own frequency columns w_r
     #   irfft2: local spectrum (B, CO, H, m2_r) after the H-ifft, minus its own rows h_r
     wf = W // 2 + 1
-    freq_split = balanced_sizes(wf, 2)
+    freq_split = balanced_split_sizes(wf, 2)
     h_r, w_r = split[rank], freq_split[rank]
     m2_r = max(0, min(M2, sum(freq_split[: rank + 1])) - sum(freq_split[:rank]))
     analytic = 8 * (B * CI * h_r * (wf - w_r) + B * CO * m2_r * (H - h_r))
@@ -388,7 +388,7 @@ def test_spectral_layer_moves_each_local_spectrum_once_per_transpose(domain_mesh
         from torch.distributed.tensor.debug import CommDebugMode
 
         xs = shard_tensor(x, domain_mesh, [Shard(2)], split)
-        with physicsnemo_shardext.disabled(plugins=["fft", "spectral"]), CommDebugMode() as fallback:
+        with physicsnemo_shardext.disabled(plugins=["fft", "indexing_einsum"]), CommDebugMode() as fallback:
             layer(xs)
         counts = {str(op): n for op, n in fallback.get_comm_counts().items()}
         assert any("all_gather" in op for op in counts), counts
@@ -458,7 +458,7 @@ def test_setitem_into_a_plain_dtensor_is_delegated_where_the_fallback_is_right(d
         target = distribute_tensor(base.clone(), domain_mesh, [Replicate() if target_placement == "replicate" else Shard(0)])
         vs = shard_tensor(value, domain_mesh, [Shard(0)], split)
         if disabled:
-            with physicsnemo_shardext.disabled(plugins=["spectral"]):
+            with physicsnemo_shardext.disabled(plugins=["indexing_einsum"]):
                 target[:, 1:3] = vs
         else:
             target[:, 1:3] = vs

@@ -1,6 +1,6 @@
 """Check a plugin's declared version ranges against what is installed.
 
-Example:
+Examples:
     >>> incompatibility({"torch": ">=1.0"}) is None
     True
     >>> incompatibility({"torch": "<1.0"})  # doctest: +ELLIPSIS

@@ -1,0 +1,170 @@
+"""The three gradient contracts of a sum over ranks, each named after what it does forward and backward.
+
+Every sharded handler that adds something up across ranks needs exactly one of
+these, and picking the wrong one is how a model trains on doubled (or halved)
+gradients without any error. Choose by asking *what the forward value is* and
+*what the backward cotangent is* on each rank:
+
+================================  ================  ===================  ==============================
+primitive                         forward           backward             right when
+================================  ================  ===================  ==============================
+`sum_grad_over`             identity          sum over ranks       a replicated operand (weight,
+                                                                         bias, embedding) meets this
+                                                                         rank's rows only
+`all_reduce_sum`            sum over ranks    sum over ranks       a partial statistic (softmax
+                                                                         denominator, norm moments)
+                                                                         feeds back into *sharded* rows
+`sum_to_replicated`         sum over ranks    identity             the total is a *replicated*
+                                                                         value (a loss, a pooled vector)
+                                                                         whose cotangent is the same on
+                                                                         every rank
+================================  ================  ===================  ==============================
+
+Design decision (see docs/reference/primitives.md): these use the in-place
+``torch.distributed`` collectives inside ``torch.autograd.Function`` s, like every
+other exchange in ``primitives/``. ShardTensor's handlers run in eager mode (its
+``__torch_function__`` dispatch is where a compiled graph hands over to them), the
+gloo backend that CPU tests use implements every c10d op needed, and
+``CommCounter`` reports them under stable ``c10d.*`` names. Each call opens a
+``torch.profiler.record_function`` range named ``shardext.<primitive>``.
+
+Examples:
+    On 2 ranks (``mesh`` a 1-D device mesh over them, ``rank`` this rank's index;
+    ``tests/test_doctests.py`` runs these on 2 gloo ranks):
+
+    >>> import torch
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> sum_grad_over(w, mesh, [0]).sum().backward()
+    >>> w.grad                        # each rank's ones, summed over the 2 ranks
+    tensor([2., 2., 2.])
+    >>> all_reduce_sum(torch.tensor([rank + 1.0]), mesh, [0])
+    tensor([3.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["all_reduce_sum", "sum_grad_over", "sum_to_replicated"]
+
+
+def _summed(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """A contiguous copy of ``value`` summed over each of ``mesh_dims`` in turn (one all-reduce each)."""
+    total = value.contiguous().clone()
+    for mesh_dim in mesh_dims:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
+    return total
+
+
+class _SumGradOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # Through the differentiable sum, so that double backward (create_graph=True) works.
+        with torch.profiler.record_function("shardext.sum_grad_over.backward"):
+            return cast(torch.Tensor, _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
+        return _summed(value, mesh, mesh_dims)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # The sum over ranks is its own adjoint: applying it again keeps double backward exact.
+        with torch.profiler.record_function("shardext.all_reduce_sum.backward"):
+            return cast(torch.Tensor, _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
+
+
+class _SumToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+        return _summed(addend, mesh, mesh_dims)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def sum_grad_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """``value`` unchanged; in backward its gradient is summed over ``mesh_dims``.
+
+    Right for a replicated operand that each rank applies to its own rows only: a
+    conv/linear weight, a norm's affine parameters, a positional embedding cut to a
+    shard. Each rank's gradient is then a partial sum over its rows, and the sum
+    over the ranks that shard those rows is the whole gradient, the same on every
+    rank. Pass the mesh dims that shard the *counterpart* (the sharded input), e.g.
+    ``sharding_mesh_dims(x)``. Forward: no communication; backward: one all-reduce
+    per mesh dim.
+
+    Examples:
+        On 2 ranks, each rank scaling the shared weight by its own factor:
+
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> (sum_grad_over(w, mesh, [0]) * (rank + 1)).sum().backward()
+        >>> w.grad                    # 1 + 2 on both ranks
+        tensor([3., 3.])
+    """
+    if not mesh_dims:
+        return value
+    with torch.profiler.record_function("shardext.sum_grad_over"):
+        return cast(torch.Tensor, _SumGradOver.apply(value, mesh, tuple(mesh_dims)))
+
+
+def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """The sum of every rank's ``value`` over ``mesh_dims``; in backward the gradient is summed too.
+
+    Right for a partial statistic whose total is used again by *sharded* rows: the
+    denominator of a softmax over a sharded dim, the moments of a norm. Every rank's
+    rows contribute to the total and every rank's rows read it, so each addend's
+    gradient is the sum of all ranks' cotangents. Forward and backward: one
+    all-reduce per mesh dim.
+
+    Examples:
+        On 2 ranks, a softmax denominator from each rank's partial sum:
+
+        >>> part = torch.tensor([rank + 1.0], requires_grad=True)
+        >>> total = all_reduce_sum(part, mesh, [0])
+        >>> total.backward(torch.ones(1))
+        >>> total, part.grad          # the sum, and every rank's cotangent summed
+        (tensor([3.], grad_fn=<_AllReduceSumBackward>), tensor([2.]))
+    """
+    if not mesh_dims:
+        return value
+    with torch.profiler.record_function("shardext.all_reduce_sum"):
+        return cast(torch.Tensor, _AllReduceSum.apply(value, mesh, tuple(mesh_dims)))
+
+
+def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """The sum of every rank's ``addend`` over ``mesh_dims``, the same on each rank; identity in backward.
+
+    Right where the total is a *replicated* value (a loss every rank holds whole and
+    calls ``backward`` on with the same cotangent, a globally pooled vector): each
+    rank's addend then receives that cotangent unchanged, and the ranks together
+    cover every term exactly once. Using `all_reduce_sum` here would scale the
+    gradient by the number of ranks. Forward: one all-reduce per mesh dim.
+
+    Examples:
+        On 2 ranks, a loss summed from each rank's terms:
+
+        >>> part = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> loss = sum_to_replicated(part.sum(), mesh, [0])
+        >>> loss.backward()
+        >>> loss.item(), part.grad    # 3 + 3 on both ranks; the cotangent passes unchanged
+        (6.0, tensor([1., 1.]))
+    """
+    if not mesh_dims:
+        return addend
+    with torch.profiler.record_function("shardext.sum_to_replicated"):
+        return cast(torch.Tensor, _SumToReplicated.apply(addend, mesh, tuple(mesh_dims)))

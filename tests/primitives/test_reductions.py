@@ -1,0 +1,114 @@
+"""Tests of physicsnemo_shardext/primitives/reductions.py: the three gradient contracts of a sum over ranks.
+
+Each contract is checked on every rank for its forward value, its backward
+gradient and the number of ``c10d.allreduce_`` calls in each direction, on a
+1-D mesh of 2 ranks and over one or both dims of a 2x2 mesh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from physicsnemo_shardext.primitives import all_reduce_sum, sum_grad_over, sum_to_replicated
+from physicsnemo_shardext.testing import CommCounter
+
+#: name -> (primitive, sums in forward, sums in backward)
+CONTRACTS = {
+    "sum_grad_over": (sum_grad_over, False, True),
+    "all_reduce_sum": (all_reduce_sum, True, True),
+    "sum_to_replicated": (sum_to_replicated, True, False),
+}
+
+
+def _value(rank: int) -> torch.Tensor:
+    return torch.tensor([[rank + 1.0, 10.0 * (rank + 1)], [-(rank**2), 0.5]], dtype=torch.float64)
+
+
+def _cotangent(rank: int) -> torch.Tensor:
+    return torch.tensor([[rank + 2.0, 1.0], [(rank + 1.0) ** 2, -3.0 * rank]], dtype=torch.float64)
+
+
+def _group(mesh, mesh_dims, rank: int) -> list[int]:
+    """Global ranks summed with ``rank``: those that share its coordinates off ``mesh_dims``."""
+    grid = mesh.mesh
+    mine = [int(c) for c in (grid == rank).nonzero()[0]]
+    members = []
+    for other in grid.flatten().tolist():
+        theirs = [int(c) for c in (grid == other).nonzero()[0]]
+        if all(theirs[d] == mine[d] for d in range(grid.ndim) if d not in mesh_dims):
+            members.append(other)
+    return members
+
+
+def _check_contract(mesh, rank: int, name: str, mesh_dims: list[int]) -> None:
+    primitive, sums_forward, sums_backward = CONTRACTS[name]
+    group = _group(mesh, mesh_dims, rank)
+    value = _value(rank).requires_grad_()
+    forward, backward = CommCounter(), CommCounter()
+    with forward:
+        out = primitive(value, mesh, mesh_dims)
+    expected = sum(_value(r) for r in group) if sums_forward else _value(rank)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"{name} forward on rank {rank}")
+    torch.testing.assert_close(value.detach(), _value(rank), rtol=0, atol=0, msg="the input was written in place")
+    with backward:
+        out.backward(_cotangent(rank))
+    expected_grad = sum(_cotangent(r) for r in group) if sums_backward else _cotangent(rank)
+    torch.testing.assert_close(value.grad, expected_grad, rtol=0, atol=0, msg=f"{name} backward on rank {rank}")
+    calls = {"c10d.allreduce_": len(mesh_dims)}
+    assert forward.stats.counts == (calls if sums_forward else {}), f"{name} forward: {forward.stats}"
+    assert backward.stats.counts == (calls if sums_backward else {}), f"{name} backward: {backward.stats}"
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_no_mesh_dims_is_the_identity_without_communication(name):
+    primitive = CONTRACTS[name][0]
+    value = torch.ones(3, requires_grad=True)
+    with CommCounter() as counter:
+        assert primitive(value, None, []) is value
+    assert counter.stats.total_calls == 0
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_contract_on_two_ranks(domain_mesh, rank, name):
+    _check_contract(domain_mesh, rank, name, [0])
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("mesh_dims", [[0, 1], [0], [1]], ids=["both", "dim0", "dim1"])
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_contract_on_a_2x2_mesh(spatial_mesh, rank, name, mesh_dims):
+    _check_contract(spatial_mesh, rank, name, mesh_dims)
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_contract_over_the_domain_dim_of_a_ddp_mesh(ddp_domain_mesh, rank, name):
+    # The usual case: sum over the ranks that share one sample's domain, not over replicas.
+    _check_contract(ddp_domain_mesh, rank, name, [1])
+
+
+@pytest.mark.multirank(2)
+def test_each_primitive_opens_its_profiler_range(domain_mesh):
+    value = torch.ones(2, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for primitive, _, _ in CONTRACTS.values():
+            primitive(value, domain_mesh, [0]).sum().backward()
+    names = {event.name for event in profile.events()}
+    assert {f"shardext.{name}" for name in CONTRACTS} <= names, sorted(n for n in names if "shardext" in n)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_backward_is_differentiable_for_double_backward(domain_mesh, rank, name):
+    # The gradient of a gradient (create_graph=True: gradient penalties, PINN residuals
+    # of derivatives) goes back through the backward's own sum.
+    primitive, _, sums_backward = CONTRACTS[name]
+    group = _group(domain_mesh, [0], rank)
+    value = _value(rank).requires_grad_()
+    cotangent = _cotangent(rank).requires_grad_()
+    (grad,) = torch.autograd.grad(primitive(value, domain_mesh, [0]), value, cotangent, create_graph=True)
+    (grad * _value(rank)).sum().backward()
+    expected = sum(_value(r) for r in group) if sums_backward else _value(rank)
+    torch.testing.assert_close(cotangent.grad, expected, rtol=0, atol=0, msg=f"{name} double backward on rank {rank}")
