@@ -17,7 +17,9 @@ buffers are allocated sharded exactly like the spectrum they mirror. Every op
 inside then runs on the local spectrum through the ``fft``, ``indexing_einsum`` and
 ``layout_ops`` plugins: two all-to-alls for ``rfft2`` and two for ``irfft2`` on a
 1-D mesh, none for the block MLP, whose weight gradients are all-reduced in
-backward. Plain-tensor inputs call the original forward unchanged.
+backward. Plain-tensor inputs call the original forward unchanged. Under
+``torch.compile`` the sharded filter runs eagerly behind one graph break (the rest
+of the model is compiled); see ``physicsnemo_shardext.primitives.compilation``.
 
 Refused: nothing here; the layer's ops inside are handled, delegated or refused by
 the families above (this plugin only changes where its scratch buffers live).
@@ -52,11 +54,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.nn.module.afno_layers import AFNO2DLayer
 
 from physicsnemo_shardext import PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import sharded_allocations
 
 __all__ = ["shard_aware_forward"]
@@ -81,11 +84,18 @@ def shard_aware_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         ```
     """
 
+    # Under torch.compile the sharded filter runs eagerly, behind one graph break: the
+    # allocation scope is a TorchFunctionMode that remembers ShardTensors, which Dynamo
+    # cannot trace faithfully, and every op inside is an eager handler anyway.
+    @torch.compiler.disable(recursive=True)
+    def sharded_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        with sharded_allocations():
+            return original(self, x, *args, **kwargs)
+
     def forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, ShardTensor):
             return original(self, x, *args, **kwargs)
-        with sharded_allocations():
-            return original(self, x, *args, **kwargs)
+        return sharded_forward(self, x, *args, **kwargs)
 
     forward.__doc__ = (original.__doc__ or "") + "\n\n(ShardTensor inputs: scratch buffers sharded, physicsnemo-shardext.)"
     forward.__wrapped__ = original  # type: ignore[attr-defined]

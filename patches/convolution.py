@@ -86,12 +86,13 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, builtin_handler, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
     delegate,
     describe_target,
+    eager_handler,
     expand_to,
     from_local_like,
     gather_global_indices,
@@ -253,6 +254,7 @@ def _can_delegate(x: ShardTensor, layouts: dict[int, DimLayout], weight, stride,
     return True
 
 
+@eager_handler
 def sharded_conv(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

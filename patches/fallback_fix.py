@@ -105,7 +105,7 @@ from physicsnemo_shardext import (
     hookimpl,
     original_attribute,
 )
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 
 __all__ = [
     "backward_entry_status",

@@ -93,13 +93,14 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     balanced_split_sizes,
     bind_arguments,
     build_shard_tensor,
     delegate,
+    eager_handler,
     is_partial,
     move_shard,
     sharded_dims,
@@ -353,6 +354,7 @@ class _NoFreeDim(MissingShardPatch):
     """A sharded transform dim with no other dim to take its shard (``distributed_fft`` delegates it)."""
 
 
+@eager_handler
 def distributed_fft(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -74,12 +74,13 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
     delegate,
     describe_target,
+    eager_handler,
     from_local_like,
     gather_global_indices,
     is_partial,
@@ -230,6 +231,7 @@ def _validate_gradient(x: ShardTensor, spacing: Any, dim: Any, edge_order: int) 
     torch.gradient(torch.empty(x.shape, dtype=x.dtype, device="meta"), **kwargs)
 
 
+@eager_handler
 def sharded_gradient(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -345,6 +347,7 @@ def _validate_diff(x: ShardTensor, n: int, dim: int, prepend: Any, append: Any) 
     torch.diff(meta(x), n=n, dim=dim, prepend=meta(prepend), append=meta(append))
 
 
+@eager_handler
 def sharded_diff(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

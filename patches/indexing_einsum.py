@@ -107,18 +107,18 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     build_shard_tensor,
     delegate,
-    describe_target,
+    eager_handler,
+    elementwise_with_replicated,
     fallback,
     gather_full,
     gather_global_indices,
     is_partial,
     replicated_local,
-    replicated_part,
     sharded_dims,
     sum_grad_over,
 )
@@ -210,6 +210,7 @@ def _placements_for(x: ShardTensor, plan: IndexPlan) -> list[Any]:
     return placements
 
 
+@eager_handler
 def sharded_getitem(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -235,6 +236,7 @@ def sharded_getitem(
 
 
 # -- slice assignment ---------------------------------------------------------------------
+@eager_handler
 def sharded_setitem(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -374,6 +376,7 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
 
 
 # -- adding a replicated buffer -------------------------------------------------------------
+@eager_handler
 def replicated_add(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -423,21 +426,9 @@ def replicated_add(
                 )
         return build_shard_tensor(a.to_local() + b_local, a._spec.mesh, a._spec.placements,
                                   {d: l.sizes for d, l in a_layouts.items()})
-    shard, rep = (a, b) if isinstance(a, ShardTensor) else (b, a)
-    if not (
-        isinstance(shard, ShardTensor)
-        and isinstance(rep, DTensor)
-        and not isinstance(rep, ShardTensor)
-        and all(isinstance(p, Replicate) for p in rep.placements)
-        and not is_partial(shard)
-        and torch.broadcast_shapes(rep.shape, shard.shape) == shard.shape
-    ):
-        return fallback(func, args, kwargs)
-    part = replicated_part(rep, shard, f"{describe_target(func)}: replicated operand")
-    local = shard.to_local() + part if shard is a else part + shard.to_local()
-    layouts = sharded_dims(shard)
-    return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements,
-                              {d: l.sizes for d, l in layouts.items()})
+    # A replicated operand (promoted DTensor, Replicate ShardTensor, plain tensor) is cut to the shard's rows.
+    result = elementwise_with_replicated(func, args, kwargs)
+    return fallback(func, args, kwargs) if result is None else result
 
 
 def _same_placements(a: Any, b: Any) -> bool:
@@ -492,6 +483,7 @@ def _in_dtensor_layout(op: Any) -> bool:
     return all(list(l.sizes) == [len(c) for c in torch.arange(l.total).chunk(l.parts)] for l in layouts)
 
 
+@eager_handler
 def sharded_einsum(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -90,11 +90,13 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     build_shard_tensor,
     delegate,
+    delegate_when_traced,
     describe_target,
+    eager_handler,
     fallback,
     from_local_like,
     is_partial,
@@ -116,6 +118,7 @@ def _moved(x: ShardTensor, local: torch.Tensor, order: Sequence[int]) -> ShardTe
     return build_shard_tensor(local, x._spec.mesh, placements, sizes)
 
 
+@eager_handler
 def permute_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -137,6 +140,7 @@ def permute_local(
     return _moved(x, x.to_local().permute(order), order)
 
 
+@eager_handler
 def transpose_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -159,6 +163,8 @@ def transpose_local(
     return _moved(x, x.to_local().transpose(d0, d1), order)
 
 
+@eager_handler
+@delegate_when_traced  # AOTAutograd makes tangents contiguous on fake ShardTensors, past any graph break
 def clone_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -176,6 +182,7 @@ def clone_local(
     return from_local_like(func(x.to_local(), *rest, **kwargs), x)
 
 
+@eager_handler
 def complex_view_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -203,6 +210,7 @@ def complex_view_local(
     return build_shard_tensor(func(x.to_local()), x._spec.mesh, x._spec.placements, rows)
 
 
+@eager_handler
 def flatten_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -261,6 +269,7 @@ def flatten_local(
     return build_shard_tensor(x.to_local().flatten(start, end), x._spec.mesh, placements, sizes)
 
 
+@eager_handler
 def unflatten_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -357,6 +366,7 @@ def gather_dims(x: ShardTensor, dims: Sequence[int]) -> ShardTensor:
     return x.redistribute(x._spec.mesh, placements)
 
 
+@eager_handler
 def reshape_merging_sharded_dims(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -448,6 +458,7 @@ def _identical_shard_inputs(
     return tensors, dim
 
 
+@eager_handler
 def cat_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -547,6 +558,7 @@ def _replicated_rows(value: Any, like: ShardTensor, func: Any) -> ShardTensor:
     return from_local_like(replicated_part(value, like, f"{name}: replicated input"), like)
 
 
+@eager_handler
 def stack_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:

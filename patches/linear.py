@@ -55,10 +55,11 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
 
 from physicsnemo_shardext import PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     bind_arguments,
     delegate,
+    eager_handler,
     from_local_like,
     is_partial,
     replicated_local,
@@ -74,6 +75,7 @@ def _linear(input: Any, weight: Any, bias: Any = None) -> None:
     """The parameters of ``F.linear`` (a C builtin without an introspectable signature)."""
 
 
+@eager_handler
 def sharded_linear(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

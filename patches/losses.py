@@ -77,13 +77,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn import _reduction
 
 from physicsnemo_shardext import PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     bind_arguments,
     build_shard_tensor,
     delegate,
+    eager_handler,
     from_local_like,
     is_partial,
+    is_replicated,
     replicated_local,
     replicated_part,
     sharded_dims,
@@ -167,7 +169,8 @@ def _reduce(local: torch.Tensor, like: ShardTensor, reduction: str, divisor: Cal
 def _row_reference(func: Callable[..., Any], arguments: dict[str, Any], form: _LossForm) -> ShardTensor | None:
     """The ShardTensor the loss is computed over, or None where this handler does not apply."""
     operands = {name: arguments.get(name) for name in form.rows}
-    shards = [v for v in operands.values() if isinstance(v, ShardTensor)]
+    # A Replicate ShardTensor (a target scattered as the guidance says) is a replicated operand.
+    shards = [v for v in operands.values() if isinstance(v, ShardTensor) and not is_replicated(v)]
     if not shards:
         return None
     reference = shards[0]
@@ -177,7 +180,7 @@ def _row_reference(func: Callable[..., Any], arguments: dict[str, Any], form: _L
     if is_partial(reference):
         return None
     for value in operands.values():
-        if isinstance(value, ShardTensor) and not _same_sharding(value, reference):
+        if isinstance(value, ShardTensor) and not is_replicated(value) and not _same_sharding(value, reference):
             return None
         if _is_sharded_dtensor(value):
             return None
@@ -190,6 +193,7 @@ def _row_reference(func: Callable[..., Any], arguments: dict[str, Any], form: _L
     return reference
 
 
+@eager_handler
 def elementwise_loss(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -217,7 +221,7 @@ def elementwise_loss(
     local_arguments = dict(arguments)
     for name in form.rows:
         value = arguments.get(name)
-        if isinstance(value, ShardTensor):
+        if isinstance(value, ShardTensor) and not is_replicated(value):
             local_arguments[name] = value.to_local()
         elif isinstance(value, torch.Tensor):
             local_arguments[name] = replicated_part(value, reference, f"{func.__name__}: {name}")
@@ -257,6 +261,7 @@ def _target_dim(input_dim: int) -> int:
     return input_dim if input_dim == 0 else input_dim - 1
 
 
+@eager_handler
 def class_loss(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -287,7 +292,7 @@ def class_loss(
         return delegate(func, types, args, kwargs)
     layouts = sharded_dims(x)
     probabilities = target.is_floating_point() and tuple(target.shape) == tuple(x.shape)
-    if isinstance(target, ShardTensor):
+    if isinstance(target, ShardTensor) and not is_replicated(target):
         if probabilities:
             if not _same_sharding(target, x):
                 return delegate(func, types, args, kwargs)
@@ -382,6 +387,7 @@ def _vector_order(func: Callable[..., Any], order: Any, dim: Any, ndim: int) -> 
     return float(order)
 
 
+@eager_handler
 def sharded_norm(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -508,6 +514,7 @@ def _finish(result: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim: bo
     return _norm_output(result, x, reduced, keepdim)
 
 
+@eager_handler
 def sharded_mean(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -575,6 +582,7 @@ _VARIANCE_OPS = {
 }
 
 
+@eager_handler
 def sharded_variance(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -73,12 +73,13 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor
 
 from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     all_reduce_sum,
     bind_arguments,
     delegate,
+    eager_handler,
     from_local_like,
     is_partial,
     replicated_local,
@@ -218,6 +219,7 @@ def _no_stats(a: dict[str, Any]) -> bool:
     return a["running_mean"] is None or a["running_var"] is None
 
 
+@eager_handler
 def batch_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -249,6 +251,7 @@ def batch_norm_handler(
 
 
 # -- instance norm --------------------------------------------------------------------------
+@eager_handler
 def instance_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -284,6 +287,7 @@ def instance_norm_handler(
 
 
 # -- group norm -----------------------------------------------------------------------------
+@eager_handler
 def group_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -331,6 +335,7 @@ def _trailing_norm(x: Any, normalized_shape: Sequence[int], op: str) -> tuple[di
     return layouts, list(range(first, x.dim())), first
 
 
+@eager_handler
 def layer_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -353,6 +358,7 @@ def layer_norm_handler(
     return from_local_like(_as_input(y, local), x)
 
 
+@eager_handler
 def rms_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -61,12 +61,13 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, builtin_handler, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
     connected_zeros,
     delegate,
+    eager_handler,
     from_local_like,
     gather_global_indices,
     is_partial,
@@ -159,6 +160,7 @@ def _constant_crop_pad(
     return padded, new_sizes
 
 
+@eager_handler
 def sharded_pad(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

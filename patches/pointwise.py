@@ -11,6 +11,11 @@ Inputs with a ``Partial`` placement are summed first (redistributed to
 does): a nonlinear function of a partial sum is not the partial sum of the
 function. The output is then replicated over those mesh dims.
 
+Binary ``sub``/``mul``/``div`` (and their operators) of a sharded ShardTensor and a
+replicated operand (a ``Replicate`` target, a promoted weight) run on the local rows,
+the replicated operand cut to them: the DTensor fallback raises a shape error there
+on any split other than ``torch.chunk``'s.
+
 ``F.prelu`` is elementwise too, with a replicated weight: each rank applies it to
 its own block, and the weight's gradient, a partial sum over the shards, is summed
 over the mesh dims that shard the input in the backward pass only (DTensor has no
@@ -61,11 +66,13 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
 
 from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     bind_arguments,
     delegate,
     describe_target,
+    eager_handler,
+    elementwise_with_replicated,
     from_local_like,
     is_partial,
     replicated_local,
@@ -74,7 +81,14 @@ from physicsnemo_shardext.primitives import (
     sum_grad_over,
 )
 
-__all__ = ["INPLACE_DELEGATED", "POINTWISE_ACTIVATIONS", "local_pointwise", "prelu_local"]
+__all__ = [
+    "BINARY_WITH_REPLICATED",
+    "INPLACE_DELEGATED",
+    "POINTWISE_ACTIVATIONS",
+    "binary_with_replicated",
+    "local_pointwise",
+    "prelu_local",
+]
 
 POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
     F.gelu,
@@ -99,6 +113,7 @@ POINTWISE_ACTIVATIONS: tuple[Callable[..., Any], ...] = (
 INPLACE_DELEGATED: frozenset[Callable[..., Any]] = frozenset({F.silu, F.elu, F.leaky_relu, F.mish})
 
 
+@eager_handler
 def local_pointwise(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -149,6 +164,7 @@ def _prelu(input: Any, weight: Any) -> None:
     """Mirror of ``F.prelu``'s parameters (a C builtin without an introspectable signature)."""
 
 
+@eager_handler
 def prelu_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
@@ -184,6 +200,42 @@ def prelu_local(
     return from_local_like(F.prelu(x.to_local(), w), x)
 
 
+#: Binary elementwise ops whose sharded x replicated form runs on local blocks (``add`` is
+#: the ``indexing_einsum`` family's, which also aligns two ShardTensors' splits).
+BINARY_WITH_REPLICATED: tuple[Callable[..., Any], ...] = (
+    torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+    torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
+)
+
+
+@eager_handler
+def binary_with_replicated(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``shard - target``, ``shard * weight``...: a replicated operand is cut to the shard's rows.
+
+    The training loop of PhysicsNeMo's guidance scatters the input sharded and the
+    target ``Replicate``. The DTensor fallback re-cuts a replicated operand with
+    ``torch.chunk``'s split, so on any other split (a 20/16 band of patches) it raises
+    a shape error. Here the replicated operand is narrowed to this rank's rows (its
+    gradient summed over the shards) and the op runs locally, with no communication.
+    Everything else (two ShardTensors, scalars, keyword arguments, ``Partial``
+    operands) is delegated unchanged.
+
+    Examples:
+        >>> from torch.distributed.tensor import Replicate, Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full, target = torch.linspace(-1, 1, 36).reshape(1, 1, 9, 4), torch.ones(1, 1, 9, 4)
+        >>> x = shard_tensor(full, mesh, [Shard(2)], [6, 3])
+        >>> y = x - shard_tensor(target, mesh, [Replicate()])
+        >>> y.placements, torch.allclose(y.full_tensor(), full - target)
+        ((Shard(dim=2),), True)
+    """
+    result = elementwise_with_replicated(func, args, kwargs)
+    return delegate(func, types, args, kwargs) if result is None else result
+
+
 #: The handler of every target this family declares, with its description.
 _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
     **{
@@ -191,6 +243,10 @@ _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
         for activation in POINTWISE_ACTIVATIONS
     },
     F.prelu: (prelu_local, "prelu on the local block; weight gradient all-reduced over the shards"),
+    **{
+        op: (binary_with_replicated, f"{describe_target(op)} of a shard and a replicated operand on local rows")
+        for op in BINARY_WITH_REPLICATED
+    },
 }
 
 

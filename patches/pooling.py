@@ -76,13 +76,14 @@ from torch.distributed.tensor import Replicate
 
 import physicsnemo_shardext
 from physicsnemo_shardext import PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
     connected_zeros,
     delegate,
     describe_target,
+    eager_handler,
     expand_to,
     from_local_like,
     gather_global_indices,
@@ -239,6 +240,7 @@ def _can_delegate(x: ShardTensor, cfg: _PoolConfig, spatial: dict[int, DimLayout
     )
 
 
+@eager_handler
 def pool_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -387,6 +389,7 @@ class _AdaptiveAxis:
     is_global: bool  # sharded with output size 1: reduce locally, then all-reduce
 
 
+@eager_handler
 def adaptive_pool_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

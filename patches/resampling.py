@@ -80,13 +80,14 @@ from physicsnemo.domain_parallel import ShardTensor
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
     connected_zeros,
     delegate,
     describe_target,
+    eager_handler,
     expand_to,
     from_local_like,
     gather_global_indices,
@@ -109,6 +110,7 @@ def _pixel_unshuffle(input: Any, downscale_factor: int) -> None:
     """The parameters of ``F.pixel_unshuffle``."""
 
 
+@eager_handler
 def pixel_shuffle_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -144,6 +146,7 @@ def pixel_shuffle_handler(
     return from_local_like(func(local, r), x, sizes_by_tensor_dim=sizes)
 
 
+@eager_handler
 def pixel_unshuffle_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -321,6 +324,7 @@ def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: i
     return out, [b - a for a, b in ranges]
 
 
+@eager_handler
 def interpolate_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

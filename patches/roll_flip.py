@@ -49,12 +49,13 @@ from typing import Any
 import torch
 
 from physicsnemo_shardext import PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
     delegate,
     describe_target,
+    eager_handler,
     from_local_like,
     gather_global_indices,
     is_partial,
@@ -97,6 +98,7 @@ def _permute_rows(local: torch.Tensor, layout: DimLayout, source_of: Callable[[i
 ROLL_TARGETS: tuple[Callable[..., Any], ...] = (torch.roll, torch.Tensor.roll)
 
 
+@eager_handler
 def sharded_roll(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -177,6 +179,7 @@ def _flip_dims(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, 
     return _as_tuple(kwargs["dims"])
 
 
+@eager_handler
 def sharded_flip(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
-from physicsnemo_shardext.patches import shardext_requirements  # the shared PhysicsNeMo range
+from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
     all_reduce_sum,
@@ -69,6 +69,7 @@ from physicsnemo_shardext.primitives import (
     delegate,
     describe_target,
     dim_layout,
+    eager_handler,
     from_local_like,
     is_partial,
     normalize_dim,
@@ -136,6 +137,7 @@ SOFTMAX_TARGETS: dict[Callable[..., Any], tuple[str, Callable[..., Any]]] = {
 }
 
 
+@eager_handler
 def sharded_softmax(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -218,6 +220,7 @@ def _gather_rows(row: torch.Tensor, layout: DimLayout) -> list[torch.Tensor]:
 CUMSUM_TARGETS: tuple[Callable[..., Any], ...] = (torch.cumsum, torch.Tensor.cumsum)
 
 
+@eager_handler
 def sharded_cumsum(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -14,6 +14,10 @@ Public API (stable names; everything else is internal and may change):
   the registry, settings, errors, ``initialize``;
 * ``physicsnemo_shardext.primitives``: the handler vocabulary patches are written in;
 * ``physicsnemo_shardext.testing``: multi-rank fixtures, sharding and conformance helpers;
+* ``physicsnemo_shardext.parallel``: hybrid ddp x domain training steps (layout,
+  scattering, DDP/FSDP2 wrapping, optimizer groups, checkpoints);
+* ``physicsnemo_shardext.verification``: a hybrid training run checked against
+  single-process training;
 * ``physicsnemo_shardext.hookspecs``: the hook specifications (for reading).
 
 Internal modules (their public classes are re-exported above): ``loader``,

@@ -65,6 +65,39 @@ def _tolerate_cpu_device_id() -> Iterator[None]:
         dist.init_process_group = original
 
 
+@contextlib.contextmanager
+def _slurm_variables_for_physicsnemo() -> Iterator[None]:
+    """Within the block, the SLURM variables PhysicsNeMo 2.2 reads are present.
+
+    PhysicsNeMo's SLURM path (taken when ``RANK`` is unset and ``SLURM_PROCID`` is
+    set) reads ``SLURM_NPROCS`` and ``SLURM_LAUNCH_NODE_IPADDR`` and fails with a
+    ``TypeError`` when either is missing, although ``SLURM_NTASKS`` is the current
+    name of the first and jobs commonly export ``MASTER_ADDR`` instead of relying on
+    the second. Here ``SLURM_NPROCS`` defaults to ``SLURM_NTASKS`` and
+    ``SLURM_LAUNCH_NODE_IPADDR`` is ``MASTER_ADDR`` when that is set (an explicit
+    rendezvous address wins over the launch node), else ``localhost`` when missing.
+    The environment is restored afterwards. Outside SLURM nothing changes.
+    """
+    if "SLURM_PROCID" not in os.environ or "RANK" in os.environ:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("SLURM_NPROCS", "SLURM_LAUNCH_NODE_IPADDR")}
+    if "SLURM_NPROCS" not in os.environ and "SLURM_NTASKS" in os.environ:
+        os.environ["SLURM_NPROCS"] = os.environ["SLURM_NTASKS"]
+    if "MASTER_ADDR" in os.environ:
+        os.environ["SLURM_LAUNCH_NODE_IPADDR"] = os.environ["MASTER_ADDR"]
+    else:
+        os.environ.setdefault("SLURM_LAUNCH_NODE_IPADDR", "localhost")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _adopt_existing_process_group() -> None:
     """Fill DistributedManager's state from a process group someone else created."""
     # DistributedManager.setup() would call init_process_group a second time,
@@ -90,7 +123,11 @@ def initialize() -> DistributedManager:
     * Already-initialized manager: returned as is.
     * A process group created elsewhere (e.g. by a test harness): adopted.
     * Otherwise PhysicsNeMo's ``DistributedManager.initialize()`` runs, with a
-      CPU ``device_id`` dropped; gloo is chosen on CPU, NCCL on GPU.
+      CPU ``device_id`` dropped; gloo is chosen on CPU, NCCL on GPU. It reads
+      torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+      ``MASTER_ADDR``/``MASTER_PORT``) or, without ``RANK``, SLURM's
+      (``SLURM_PROCID``, ``SLURM_NTASKS`` or ``SLURM_NPROCS``, ``SLURM_LOCALID``,
+      with ``MASTER_ADDR`` else ``SLURM_LAUNCH_NODE_IPADDR``, and ``MASTER_PORT``).
 
     Also installs PhysicsNeMo's built-in shard patches, which PhysicsNeMo only
     does by itself when CUDA is available.
@@ -115,7 +152,7 @@ def initialize() -> DistributedManager:
     # a division by zero on CPU: default it to the rank, as torchrun would.
     if "RANK" in os.environ and "LOCAL_RANK" not in os.environ and not torch.cuda.is_available():
         os.environ["LOCAL_RANK"] = os.environ["RANK"]
-    with _tolerate_cpu_device_id():
+    with _tolerate_cpu_device_id(), _slurm_variables_for_physicsnemo():
         DistributedManager.initialize()
     return DistributedManager()
 

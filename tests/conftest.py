@@ -69,3 +69,37 @@ def run_python(code: str, env: dict[str, str] | None = None, path: list[str] | N
 def python_runner():
     """The :func:`run_python` helper, as a fixture."""
     return run_python
+
+
+# -- long cells -------------------------------------------------------------------------------
+# CI runs a representative subset; `pytest --run-slow` (or SHARDEXT_RUN_SLOW=1) runs every cell.
+# Slow cells are deselected, not skipped, so a skip in the summary always means a missing
+# capability (a GPU), never a cell left out on purpose; the count left out is printed.
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run cells marked slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: a long cell, deselected unless --run-slow or SHARDEXT_RUN_SLOW=1")
+
+
+def _run_slow(config: pytest.Config) -> bool:
+    return bool(config.getoption("--run-slow")) or os.environ.get("SHARDEXT_RUN_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _run_slow(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config._shardext_slow_deselected = len(slow)  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    left_out = getattr(config, "_shardext_slow_deselected", 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} slow cells deselected; run them with --run-slow (see README)")

@@ -14,10 +14,17 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
    `transpose_shard`, `gather_full`, and the three gradient contracts
    `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated`;
-   replicated operands through `replicated_local` / `replicated_part`;
+   replicated operands through `replicated_local` / `replicated_part`
+   (`is_replicated` tells them apart; `elementwise_with_replicated` applies a
+   binary op to a shard and a replicated operand);
 5. **compute locally and wrap**: `from_local_like`, `build_shard_tensor`,
    with `tie_to_graph` / `connected_zeros` keeping an empty shard in
    the backward graph, and `sharded_allocations` for factory calls.
+
+Under ``torch.compile`` a handler runs eagerly behind a graph break:
+`eager_handler` wraps it so that, called on fake operands (`is_tracing`), it
+refuses to be traced (`refuse_tracing`) instead of tracing its collectives
+wrongly.
 
 Examples:
     >>> from physicsnemo_shardext.primitives import DimLayout, halo_indices
@@ -28,7 +35,8 @@ Examples:
 
 from physicsnemo_shardext.primitives.allocation import sharded_allocations
 from physicsnemo_shardext.primitives.arguments import bind_arguments, expand_to
-from physicsnemo_shardext.primitives.checks import is_partial, normalize_dim, require_shard_input
+from physicsnemo_shardext.primitives.checks import is_partial, is_replicated, normalize_dim, require_shard_input
+from physicsnemo_shardext.primitives.compilation import delegate_when_traced, eager_handler, is_tracing, refuse_tracing
 from physicsnemo_shardext.primitives.delegation import delegate, fallback
 from physicsnemo_shardext.primitives.graph import connected_zeros, tie_to_graph
 from physicsnemo_shardext.primitives.index_exchange import (
@@ -47,7 +55,12 @@ from physicsnemo_shardext.primitives.layout import (
     split_rows_by_owner,
 )
 from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated
-from physicsnemo_shardext.primitives.replicated import gather_full, replicated_local, replicated_part
+from physicsnemo_shardext.primitives.replicated import (
+    elementwise_with_replicated,
+    gather_full,
+    replicated_local,
+    replicated_part,
+)
 from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
 from physicsnemo_shardext.targets import describe_target
 
@@ -60,8 +73,11 @@ __all__ = [
     "build_shard_tensor",
     "connected_zeros",
     "delegate",
+    "delegate_when_traced",
     "describe_target",
     "dim_layout",
+    "eager_handler",
+    "elementwise_with_replicated",
     "expand_to",
     "fallback",
     "from_local_like",
@@ -69,9 +85,12 @@ __all__ = [
     "gather_global_indices",
     "halo_indices",
     "is_partial",
+    "is_replicated",
+    "is_tracing",
     "move_shard",
     "normalize_dim",
     "plan_exchange",
+    "refuse_tracing",
     "replicated_local",
     "replicated_part",
     "require_shard_input",

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.targets import describe_target
 
-__all__ = ["is_partial", "normalize_dim", "require_shard_input"]
+__all__ = ["is_partial", "is_replicated", "normalize_dim", "require_shard_input"]
 
 
 def is_partial(x: Any) -> bool:
@@ -45,6 +45,25 @@ def is_partial(x: Any) -> bool:
     """
     placements: Any = getattr(x, "placements", None) if isinstance(x, (ShardTensor, DTensor)) else None
     return bool(placements) and any(p.is_partial() for p in placements)
+
+
+def is_replicated(x: Any) -> bool:
+    """Whether ``x`` is a ShardTensor or DTensor whose every placement is ``Replicate`` (a whole copy per rank).
+
+    Such an operand (a target scattered with ``Replicate``, a promoted weight) meets a
+    sharded one by being cut to its rows (`replicated_part`), not by comparing splits.
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributed.tensor import Replicate, Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> is_replicated(shard_tensor(torch.zeros(4), mesh, [Replicate()]))
+        True
+        >>> is_replicated(shard_tensor(torch.zeros(4), mesh, [Shard(0)], [3, 1])), is_replicated(torch.zeros(4))
+        (False, False)
+    """
+    placements: Any = getattr(x, "placements", None) if isinstance(x, (ShardTensor, DTensor)) else None
+    return bool(placements) and all(p.is_replicate() for p in placements)
 
 
 def require_shard_input(func: Callable[..., Any], x: Any, why_partial: str = "") -> ShardTensor:

@@ -36,20 +36,18 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from physicsnemo_shardext.errors import MissingShardPatch
-from physicsnemo_shardext.primitives.layout import sharded_dims, sharding_mesh_dims
+from physicsnemo_shardext.primitives.checks import is_partial, is_replicated
+from physicsnemo_shardext.primitives.layout import build_shard_tensor, sharded_dims, sharding_mesh_dims
 from physicsnemo_shardext.primitives.reductions import sum_grad_over
 
-__all__ = ["gather_full", "replicated_local", "replicated_part"]
+__all__ = ["elementwise_with_replicated", "gather_full", "replicated_local", "replicated_part"]
 
 
 def replicated_local(value: Any, what: str) -> Any:
@@ -109,6 +107,58 @@ def replicated_part(value: Any, like: ShardTensor, what: str = "replicated opera
             )
         local = local.narrow(own_dim, layout.start, layout.local_size)
     return local
+
+
+def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardTensor | None:
+    """``func(a, b)`` of a sharded ShardTensor and a replicated tensor on this rank's rows, or ``None``.
+
+    The replicated operand (a ``Replicate`` ShardTensor such as a target, a promoted
+    DTensor, a plain tensor, or a DTensor parameter sharded evenly on the same mesh,
+    which is gathered first) is cut to the sharded operand's own rows with
+    `replicated_part` (its gradient summed over the shards) and ``func`` runs on the
+    local blocks: no communication, any split. ``None`` where this does not apply, for the
+    caller to delegate: not exactly two tensor operands, keyword arguments, a ``Partial``
+    operand, or a result larger than the sharded operand (broadcasting that enlarges it).
+
+    Examples:
+        On 2 ranks, a prediction split 3/2 minus a replicated target:
+
+        >>> from torch.distributed.tensor import Replicate, Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full, target = torch.arange(10.0).reshape(5, 2), torch.ones(5, 2)
+        >>> x = shard_tensor(full, mesh, [Shard(0)], [3, 2])
+        >>> y = elementwise_with_replicated(torch.sub, (x, shard_tensor(target, mesh, [Replicate()])), {})
+        >>> y.placements, torch.equal(y.full_tensor(), full - target)
+        ((Shard(dim=0),), True)
+        >>> elementwise_with_replicated(torch.sub, (x, 1.0), {}) is None    # a scalar: not this case
+        True
+    """
+    if len(args) != 2 or kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        return None
+    a, b = args
+    sharded_first = isinstance(a, ShardTensor) and not is_replicated(a)
+    shard, other = (a, b) if sharded_first else (b, a)
+    if not isinstance(shard, ShardTensor) or is_replicated(shard) or is_partial(shard) or is_partial(other):
+        return None
+    if isinstance(other, (ShardTensor, DTensor)) and other.device_mesh != shard._spec.mesh:
+        return None
+    if isinstance(other, DTensor) and not isinstance(other, ShardTensor) and not is_replicated(other):
+        # A spatial parameter sharded evenly (FSDP2's pos_embed as a DTensor) against an
+        # activation split another way: gathered whole (parameter-sized), then cut to the
+        # shard's rows. Its gradient, summed to a whole replicated one below, goes back to
+        # each rank's chunk through the redistribute's own backward.
+        other = other.redistribute(other.device_mesh, [Replicate()] * other.device_mesh.ndim)
+    if isinstance(other, ShardTensor) and not is_replicated(other):
+        return None
+    try:
+        if tuple(torch.broadcast_shapes(shard.shape, other.shape)) != tuple(shard.shape):
+            return None
+    except RuntimeError:
+        return None
+    part = replicated_part(other, shard, f"{getattr(func, '__name__', func)}: replicated operand")
+    local = func(shard.to_local(), part) if sharded_first else func(part, shard.to_local())
+    sizes = {d: layout.sizes for d, layout in sharded_dims(shard).items()}
+    return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements, sizes)
 
 
 def gather_full(x: ShardTensor) -> torch.Tensor:

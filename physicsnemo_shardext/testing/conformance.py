@@ -563,6 +563,7 @@ def check_conformance(
     seed: int = 0,
     autocast: torch.dtype | tuple[str, torch.dtype] | None = None,
     autocast_factor: float = AUTOCAST_ERROR_FACTOR,
+    compile: bool | str = False,  # noqa: A002 - named like torch.compile
 ) -> ConformanceReport:
     """Check that ``fn`` on sharded inputs equals ``fn`` on the full inputs, values and gradients.
 
@@ -603,6 +604,14 @@ def check_conformance(
             can be far below one unit by chance. A wrong result (a missing halo, an unreduced
             or doubled gradient) is off by the size of the values, far above ``4 eps``
             (3 % of the largest value in bf16, 0.4 % in fp16).
+        compile: also run the sharded forward and backward **twice** under
+            ``torch.compile(dynamic=False)`` (``True``: the ``"inductor"`` backend; a string
+            names the backend, e.g. ``"aot_eager"``), each time against the same steps run
+            eagerly on a fresh copy: every output, input gradient and parameter gradient
+            must match within ``rtol``/``atol`` (``grad_rtol``/``grad_atol`` for gradients).
+            Reported as ``"compiled (<backend>) step <k>: <what>"``. Dynamo is reset
+            before and after (the ranks of the test plugin are shared by many tests). Not
+            combined with ``autocast``.
 
     Returns:
         A `ConformanceReport` (errors measured, output placements, comm counts;
@@ -621,6 +630,9 @@ def check_conformance(
     mesh = sharded_specs[0].mesh
     default_placements = tuple(sharded_specs[0].placements)
     amp = _resolve_autocast(autocast, mesh)
+    backend = _resolve_compile(compile)
+    if backend is not None and amp is not None:
+        raise ValueError("check_conformance: compile= and autocast= cannot be combined")
     fn, inputs = _to_mesh_device(fn, inputs, mesh)
     _assert_same_on_all_ranks(fn, inputs)
 
@@ -685,6 +697,10 @@ def check_conformance(
             _compare_param_grads(sharded, reference, params, compare, grad_rtol, grad_atol, mismatches, who)
     if isinstance(fn, torch.nn.Module) and not forward.failed:
         _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors, tolerance)
+    if backend is not None and not mismatches:
+        # Only a conformant eager run is worth comparing the compiled one with.
+        _check_compiled(fn, inputs, specs, params, kwargs, seed, backend, compare,
+                        (rtol, atol, grad_rtol, grad_atol), mismatches)
 
     merged = _merge(_all_gather(mismatches))
     if merged:
@@ -694,6 +710,82 @@ def check_conformance(
     if count_comms:
         report.comms = measure_comms(fn, inputs, specs, params=params, kwargs=kwargs, seed=seed, autocast=autocast)
     return report
+
+
+# -- torch.compile ----------------------------------------------------------------------------
+COMPILE_STEPS = 2
+"""Forward+backward passes `check_conformance` runs compiled (the second one reuses the compiled code)."""
+
+
+def _resolve_compile(option: bool | str) -> str | None:
+    """The backend ``compile=`` asks for, or ``None``."""
+    if option is False or option is None:
+        return None
+    if option is True:
+        return "inductor"
+    if isinstance(option, str) and option:
+        return option
+    raise ValueError(f"compile must be a bool or a backend name, got {option!r}")
+
+
+def _sharded_steps(
+    call: Callable[..., Any], module: Any, inputs: Sequence[Any], specs: Sequence[ShardSpec | None],
+    params: ParamMode, kwargs: dict[str, Any], seed: int, mismatches: list[Mismatch],
+) -> list[dict[str, torch.Tensor | None]]:
+    """`COMPILE_STEPS` forward+backward passes of ``call`` on fresh sharded inputs: gathered outputs and gradients."""
+    steps = []
+    for _ in range(COMPILE_STEPS):
+        if isinstance(module, torch.nn.Module):
+            module.zero_grad(set_to_none=True)
+        sh_inputs = _sharded_inputs(inputs, specs)
+        outputs = _tensor_leaves(call(*sh_inputs, **kwargs))
+        result: dict[str, torch.Tensor | None] = {}
+        for i, out in enumerate(outputs):
+            result[f"output[{i}]"] = _gathered(out)[0].detach()
+        differentiable = [o for o in outputs if o.requires_grad]
+        if differentiable:
+            torch.autograd.backward(
+                differentiable, [_cotangent_for(o, o.shape, seed + j) for j, o in enumerate(differentiable)])
+        for i, sh_in in enumerate(sh_inputs):
+            if specs[i] is not None and _needs_grad(inputs[i]):
+                grad = sh_in.grad
+                result[f"gradient of input[{i}]"] = None if grad is None else _gathered(grad)[0]
+        if isinstance(module, torch.nn.Module):
+            for name, param in module.named_parameters():
+                result[f"gradient of parameter {name!r}"] = _param_grad(name, param, params, mismatches)
+        steps.append(result)
+    return steps
+
+
+def _check_compiled(
+    fn: Callable[..., Any], inputs: Sequence[Any], specs: Sequence[ShardSpec | None], params: ParamMode,
+    kwargs: dict[str, Any], seed: int, backend: str, compare: Callable[..., None],
+    tolerances: tuple[float, float, float, float], mismatches: list[Mismatch],
+) -> None:
+    """The sharded steps under ``torch.compile(backend=backend, dynamic=False)`` against the same steps eagerly."""
+    rtol, atol, grad_rtol, grad_atol = tolerances
+    mesh = next(s for s in specs if s is not None).mesh
+    eager_fn = _prepare_callable(fn, mesh, params)
+    compiled_fn = _prepare_callable(fn, mesh, params)
+    label = f"compiled ({backend})"
+    import torch._dynamo  # noqa: PLC0415 - only needed here
+
+    torch._dynamo.reset()
+    try:
+        eager = _sharded_steps(eager_fn, eager_fn, inputs, specs, params, kwargs, seed, mismatches)
+        guard = _Guard(label, f"torch.compile(backend={backend!r}, dynamic=False)", mismatches, lambda e: "")
+        with guard:
+            call = torch.compile(compiled_fn, backend=backend, dynamic=False)
+            compiled = _sharded_steps(call, compiled_fn, inputs, specs, params, kwargs, seed, mismatches)
+    finally:
+        torch._dynamo.reset()
+    if guard.failed:
+        return
+    for k, (got, want) in enumerate(zip(compiled, eager)):
+        for what in sorted(set(got) | set(want)):
+            is_grad = what.startswith("gradient")
+            compare(f"{label} step {k}: {what}", got.get(what), want.get(what),
+                    grad_rtol if is_grad else rtol, grad_atol if is_grad else atol)
 
 
 def _run_backward(

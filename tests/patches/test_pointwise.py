@@ -186,3 +186,62 @@ def test_prelu_refusals_name_the_failing_backward(domain_mesh, rank):
     partial = ShardTensor.from_local(torch.randn(1, 2, 4), domain_mesh, [Partial()], sharding_shapes={})
     with pytest.raises(MissingShardPatch, match="Partial.*_prelu_kernel_backward"):
         F.prelu(partial, weight)
+
+
+#: name -> f(sharded, replicated): a binary op with one operand replicated, in either position.
+BINARY_WITH_REPLICATED = {
+    "sub": lambda a, b: a - b,
+    "rsub": lambda a, b: b - a,
+    "torch.sub": torch.sub,
+    "method-sub": lambda a, b: a.sub(b),
+    "mul": lambda a, b: a * b,
+    "rmul": lambda a, b: b * a,
+    "torch.mul": torch.mul,
+    "div": lambda a, b: a / (b * b + 1.0),
+    "rdiv": lambda a, b: b / 3.0 / (a * a + 1.0),
+    "torch.div": lambda a, b: torch.div(a, b * b + 1.0),
+    "squared-error": lambda a, b: ((a - b) ** 2).mean(),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(BINARY_WITH_REPLICATED))
+@pytest.mark.parametrize("split", [[12, 8], [20, 0], [10, 10]], ids=["uneven", "empty", "even"])
+def test_binary_op_with_a_replicate_shard_tensor_matches_single_process(domain_mesh, name, split):
+    # The guidance's target: a Replicate ShardTensor. The DTensor fallback raised a shape
+    # error here on every split other than torch.chunk's (12/8 is not chunk's 10/10).
+    x, target = torch.randn(1, 2, 20, 3), torch.randn(1, 2, 20, 3)
+    shardings = [ShardSpec(domain_mesh, [Shard(2)], split), ShardSpec(domain_mesh, [Replicate()])]
+    expected = None if name == "squared-error" else "input"
+    report = check_conformance(BINARY_WITH_REPLICATED[name], [x, target], shardings, expected_placements=expected)
+    if name != "squared-error":
+        assert report.comms.forward.total_calls == 0  # the replicated operand is cut locally
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", ["mul", "rmul", "div", "sub"])
+def test_binary_op_with_a_plain_trainable_operand_sums_its_gradient(domain_mesh, name):
+    # A plain tensor broadcast along the sharded dim (a per-channel scale): its gradient is
+    # a partial sum on each rank and must come back whole (summed over the shards).
+    x, scale = torch.randn(1, 3, 11, 4), torch.randn(1, 3, 1, 4)
+    check_conformance(
+        BINARY_WITH_REPLICATED[name], [x, scale], [ShardSpec(domain_mesh, [Shard(2)], [8, 3]), None],
+        params="plain",
+    )
+
+
+@pytest.mark.multirank(2)
+def test_binary_ops_it_does_not_take_are_delegated(domain_mesh):
+    from physicsnemo_shardext.patches.pointwise import binary_with_replicated
+
+    x = shard_tensor(torch.arange(8.0).reshape(2, 4), domain_mesh, [Shard(1)], [2, 2])
+    partial = ShardTensor.from_local(torch.ones(2, 4), domain_mesh, [Partial()], sharding_shapes={})
+    with physicsnemo_shardext.disabled(plugins=["pointwise"]):
+        expected = [(x * 2.0).full_tensor(), (x - x).full_tensor()]
+    # A scalar and two ShardTensors go to the fallback, which gives the same result.
+    torch.testing.assert_close(binary_with_replicated(torch.mul, (), (x, 2.0), {}).full_tensor(), expected[0])
+    torch.testing.assert_close(binary_with_replicated(torch.sub, (), (x, x), {}).full_tensor(), expected[1])
+    # A Partial operand is delegated as well: the fallback sums it first.
+    torch.testing.assert_close(
+        binary_with_replicated(torch.mul, (), (x, partial), {}).full_tensor(), (x.full_tensor() * 2.0)
+    )

@@ -79,3 +79,23 @@ def test_gather_full_returns_the_global_tensor_and_keeps_own_rows_in_backward(do
     weights = torch.arange(full.numel(), dtype=torch.float64).reshape(full.shape)
     (gathered * weights).sum().backward()  # the same (replicated) loss on every rank
     torch.testing.assert_close(x.grad.full_tensor(), weights)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[7, 2], [9, 0], [5, 4]], ids=["uneven", "empty-shard", "chunk"])
+def test_an_evenly_sharded_dtensor_parameter_meets_an_uneven_activation(domain_mesh, split):
+    # FSDP2's spatial parameter (pos_embed as a Shard DTensor, cut like torch.chunk) added to
+    # tokens split another way: gathered, cut to the rows; its gradient lands on each chunk.
+    from torch.distributed.tensor import distribute_tensor
+
+    from physicsnemo_shardext.primitives import elementwise_with_replicated
+
+    full_pos, full_x, cotangent = torch.randn(1, 9, 4), torch.randn(1, 9, 4), torch.randn(1, 9, 4)
+    pos = torch.nn.Parameter(distribute_tensor(full_pos, domain_mesh, [Shard(1)]))
+    x = shard_tensor(full_x, domain_mesh, [Shard(1)], split)
+    y = elementwise_with_replicated(torch.mul, (x, pos), {})
+    assert y is not None and tuple(y.placements) == (Shard(1),)
+    torch.testing.assert_close(y.full_tensor(), full_x * full_pos)
+    y.backward(shard_tensor(cotangent, domain_mesh, [Shard(1)], split))
+    assert isinstance(pos.grad, DTensor) and tuple(pos.grad.placements) == (Shard(1),)
+    torch.testing.assert_close(pos.grad.full_tensor(), cotangent * full_x)

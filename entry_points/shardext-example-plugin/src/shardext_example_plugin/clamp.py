@@ -6,7 +6,8 @@ communication at all. The handler takes the five steps every handler takes,
 each with its primitive from ``physicsnemo_shardext.primitives``: bind the call
 (`bind_arguments`), gate the input (`require_shard_input`), plan and
 exchange (nothing to do here), compute on the local block, and wrap it like the
-input (`from_local_like`).
+input (`from_local_like`). `eager_handler` keeps it eager under
+``torch.compile`` (a graph break at the call, never a trace on fake tensors).
 
 Refused (``MissingShardPatch``): tensor-valued bounds, whose layout would have
 to match the input's sharding; a ``Partial`` input, whose clamp is not the
@@ -38,7 +39,7 @@ import torch
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, describe_target, hookimpl
-from physicsnemo_shardext.primitives import bind_arguments, from_local_like, require_shard_input
+from physicsnemo_shardext.primitives import bind_arguments, eager_handler, from_local_like, require_shard_input
 
 __all__ = ["clamp_on_local_shard", "shardext_declare_patches", "shardext_requirements"]
 
@@ -47,6 +48,8 @@ def _clamp(input: Any, min: Any = None, max: Any = None, *, out: Any = None) -> 
     """Mirror of ``torch.clamp``'s parameters (a C builtin has no signature to bind against)."""
 
 
+# Runs eagerly under torch.compile: a clean graph break at the sharded call, never a wrong trace.
+@eager_handler
 def clamp_on_local_shard(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
