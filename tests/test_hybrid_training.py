@@ -130,9 +130,9 @@ def test_two_samples_in_one_domain_group_are_refused(rank):
         scatter_input(torch.randn(4, 2, HEIGHT, WIDTH), layout, dim=2)
 
 
-def _torchrun(*options: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(*options: str, ranks: int = 4) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
          str(REPO / "examples" / "train_hybrid.py"), "--batches", "2", "--epochs", "1", *options],
         capture_output=True, text=True, timeout=600, check=False,
     )
@@ -146,3 +146,12 @@ def test_example_script_trains_and_verifies(options):
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert re.search(r"ddp 2 x domain 2 \(cpu\)", result.stdout), result.stdout
     assert "trained 2 steps" in result.stdout
+
+
+@pytest.mark.slow
+def test_example_script_with_compile_and_bf16_autocast():
+    result = _torchrun("--domain", "2", "--wrapper", "none", "--compile", "--amp", "bf16", ranks=2)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert "compile True, amp bf16" in result.stdout and "training check ok" in result.stdout
+    worst = float(re.search(r"worst: .*?rel error (\S+)", result.stdout).group(1))
+    assert worst < 5e-2  # bf16 forward against the single-process bf16 forward, in another order
