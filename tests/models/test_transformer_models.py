@@ -69,10 +69,6 @@ CUDA_ONLY_SDPA = (
     "sequence-sharded K/V, which PhysicsNeMo's sdpa handler (ReplicatedQSDPA) computes with "
     "aten._scaled_dot_product_efficient_attention, a kernel with no CPU implementation"
 )
-CUDA_ONLY_RING = (
-    "CUDA-only in PhysicsNeMo 2.2: sequence-sharded self-attention goes to PhysicsNeMo's ring_sdpa, "
-    "which overlaps the K/V ring with torch.cuda streams/events and uses the CUDA efficient-attention kernel"
-)
 CUDA_ONLY_NATTEN = (
     "CUDA-only: the natten2d backends need NATTEN's neighborhood-attention kernels (CUDA builds) behind "
     "PhysicsNeMo's halo-exchanging na2d wrapper"
@@ -218,11 +214,12 @@ def _dit(backend: str) -> DiT:
                num_heads=2, attention_backend=backend, attn_kwargs={"attn_kernel": 3} if "natten" in backend else {})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_ONLY_RING)
 @pytest.mark.multirank(2, timeout=120)
-def test_dit_timm_on_2_ranks(domain_mesh):
-    # 8x8 image, 2x2 patches: a 4x4 token grid, H split 4/4 pixels (2 token rows each); t replicated.
-    specs = [ShardSpec(domain_mesh, [Shard(2)], [4, 4]), ShardSpec(domain_mesh, [Replicate()])]
+@pytest.mark.parametrize("split", [[4, 4], [6, 2]], ids=["even", "uneven"])
+def test_dit_timm_on_2_ranks(domain_mesh, split):
+    # 8x8 image, 2x2 patches: a 4x4 token grid, H split 4/4 or 6/2 pixels (2+2 or 3+1 token rows);
+    # t replicated. Sequence-sharded self-attention runs as the attention family's ring on gloo.
+    specs = [ShardSpec(domain_mesh, [Shard(2)], split), ShardSpec(domain_mesh, [Replicate()])]
     check_conformance(_dit("timm"), [torch.randn(1, 2, 8, 8), torch.rand(1)], specs, **TOLERANCE)
 
 
