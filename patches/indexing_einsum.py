@@ -22,7 +22,19 @@ op below works per sharded dim, so both cases take the same code):
   operands are all-reduced over the mesh dims that shard the sharded operands
   (in backward only), so they come back complete on every rank; so are those
   of ``Replicate`` ShardTensor operands (Transolver's attended slice tokens).
-  Forward: no communication.
+  Forward: no communication. A **contracted sharded index** (Transolver's
+  slice tokens, ``"bhng,bhnc->bhgc"`` over sequence-sharded points) leaves each
+  rank the sum over its own rows: it is summed at once (``sum_to_replicated``,
+  one all-reduce of the result) and returned ``Replicate`` on that mesh dim,
+  which every later op and loss takes as it is. **Two indices sharded over one
+  mesh dim** (attention scores ``q @ k.transpose(-1, -2)`` of a sequence-sharded
+  q and k; ``probs @ v``): the first index that survives into the output keeps
+  its split and the operands sharded on the others are gathered over that mesh
+  dim (one all-gather; their gradients are summed back in backward).
+* ``torch.matmul``, ``@``, ``Tensor.matmul`` and ``torch.bmm``: rewritten as the
+  equivalent einsum and run by the same path (uneven and empty shards, 2-D
+  meshes). A size-1 batch dim broadcast against a larger one, ``out=`` and 0-d
+  operands keep the fallback, as before this plugin.
 * ``out[idx] = value`` (``torch.Tensor.__setitem__``) into a ShardTensor ``out``
   (e.g. ``torch.zeros_like(x_ft)``, sharded like the spectrum): each rank
   writes its part locally; autograd sees a functional update (the tensor
@@ -46,13 +58,13 @@ op below works per sharded dim, so both cases take the same code):
 
 Refused (``MissingShardPatch``):
 
-* einsum that the local-block path cannot run (a contracted sharded index,
-  one index sharded differently in two operands, an operand not sharded on a
-  sharded index it carries, two indices sharded over one mesh dim, a ``Partial``
-  operand next to a sharded one, a ``Shard`` plain-DTensor operand) when a
-  ShardTensor operand's shards are not ``torch.chunk``'s rows (measured with the
-  plugin off: the DTensor fallback raises a shape error, or one rank raises
-  while the other hangs; contractions over uneven shards are issue 12);
+* einsum or matmul that the local-block path cannot run (one index sharded
+  differently in two operands, an operand sharded over a mesh dim on another
+  index than the one another operand shards there, a ``Partial`` operand next
+  to a sharded one, a ``Shard`` plain-DTensor operand) when a ShardTensor
+  operand's shards are not ``torch.chunk``'s rows (measured with the plugin off:
+  the DTensor fallback raises a shape error, or one rank raises while the
+  other hangs);
 * einsum keyword arguments (torch.einsum takes none);
 * setitem into a ``Partial`` target, or with an index form other than basic
   slices/ints on unsharded dims (kept: the DTensor fallback fails, measured on
@@ -67,10 +79,8 @@ Delegated (to the DTensor fallback; values, placements and gradients checked on
 2 ranks against a single process and the plugin-disabled run): einsum with
 ``Partial(sum)`` operands and otherwise replicated ones (weights plain, promoted
 or trainable; two ``Partial`` operands too); and, where every ShardTensor operand
-holds ``torch.chunk``'s rows (DTensor's own layout), each einsum listed as refused
-above for other splits (a contracted sharded index gives ``Partial(sum)``; two
-indices over one mesh dim, as in ``"bi,ci->bci"`` with both operands sharded,
-which the local-block path would get wrong, are gathered by the fallback);
+holds ``torch.chunk``'s rows (DTensor's own layout), each einsum or matmul
+listed as refused above for other splits;
 ``dtensor[idx] = shard`` into a ``Replicate`` DTensor that is not a promoted
 plain tensor (a ``distribute_module`` buffer), any split, or into a ``Shard``
 DTensor with a value holding ``torch.chunk``'s rows (values checked).
@@ -121,9 +131,10 @@ from physicsnemo_shardext.primitives import (
     replicated_local,
     sharded_dims,
     sum_grad_over,
+    sum_to_replicated,
 )
 
-__all__ = ["plan_index", "replicated_add", "sharded_einsum", "sharded_getitem", "sharded_setitem"]
+__all__ = ["plan_index", "replicated_add", "sharded_einsum", "sharded_getitem", "sharded_matmul", "sharded_setitem"]
 
 
 # -- indexing -----------------------------------------------------------------------------
@@ -487,14 +498,18 @@ def _in_dtensor_layout(op: Any) -> bool:
 def sharded_einsum(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``torch.einsum`` on local blocks; replicated operands cut to this rank's rows, their grads summed.
+    """``torch.einsum`` on local blocks: replicated operands cut to this rank's rows, sharded sums reduced.
 
-    What the local-block path cannot run goes to the DTensor fallback (``delegate``) where that is
-    right, measured on 2 ranks (values, placements and gradients): a ``Partial(sum)`` operand whose
-    fellow operands are all replicated; every other such case (a contracted sharded index, an index
-    sharded differently in two operands, two sharded indices on one mesh dim, a ``Partial`` next to a
-    sharded operand, a sharded plain DTensor) where every ShardTensor operand holds ``torch.chunk``'s
-    rows. On other splits the fallback raises or hangs, so those are refused.
+    A contracted sharded index (Transolver's slice tokens ``"bhng,bhnc->bhgc"``) gives each rank a
+    partial sum; it is summed over the mesh dim at once (``sum_to_replicated``: one all-reduce of the
+    result) and returned ``Replicate`` there. Two indices sharded over one mesh dim (attention scores
+    ``"bhld,bhsd->bhls"`` of a sequence-sharded q and k) keep the first one that survives into the
+    output sharded and gather the operands sharded on the others. What the local-block path still
+    cannot run goes to the DTensor fallback (``delegate``) where that is right, measured on 2 ranks:
+    a ``Partial(sum)`` operand whose fellow operands are all replicated; every other such case (an
+    index sharded differently in two operands, a ``Partial`` next to a sharded operand, a sharded
+    plain DTensor) where every ShardTensor operand holds ``torch.chunk``'s rows. On other splits the
+    fallback raises or hangs, so those are refused.
 
     Examples:
         >>> from torch.distributed.tensor import Shard
@@ -504,17 +519,32 @@ def sharded_einsum(
         >>> y = sharded_einsum(torch.einsum, (), ("by,cy->bcy", x_ft, w), {})
         >>> y.placements, torch.allclose(y.full_tensor(), torch.einsum("by,cy->bcy", x_ft.full_tensor(), w))
         ((Shard(dim=2),), True)
+        >>> s = sharded_einsum(torch.einsum, (), ("by,cy->bc", x_ft, w), {})   # contracts the split y
+        >>> s.placements, torch.allclose(s.to_local(), x_ft.full_tensor() @ w.T)
+        ((Replicate(),), True)
     """
     equation, *operands = args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
     if kwargs:
         raise MissingShardPatch(f"torch.einsum on ShardTensors: keyword arguments {sorted(kwargs)}")
+    return _einsum_or_delegate(func, types, args, kwargs, equation, operands)
+
+
+def _einsum_or_delegate(
+    func: Callable[..., Any],
+    types: tuple[type, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    equation: str,
+    operands: Sequence[Any],
+) -> Any:
+    """The local-block einsum, else ``func``'s own fallback where that is right, else a refusal."""
     try:
         if any(is_partial(op) for op in operands):
             if not any(p.is_shard() for op in operands for p in _placements(op)):
                 # A Partial(sum) operand, the others replicated: the fallback keeps or reduces the
-                # pending sum as einsum's linearity allows (two Partial operands included).
+                # pending sum as the product's linearity allows (two Partial operands included).
                 return delegate(func, types, args, kwargs)
             raise _NotLocal("a Partial operand next to a sharded one")
         return _local_einsum(equation, operands)
@@ -523,14 +553,43 @@ def sharded_einsum(
             return delegate(func, types, args, kwargs)  # DTensor's own layout: the fallback is right
         raise MissingShardPatch(
             f"{why}; the DTensor fallback would take it, but on shards that are not torch.chunk's rows "
-            f"(placements {[_placements(op) for op in operands]}) it raises or hangs (measured on 2 ranks); "
-            "contractions over an unevenly sharded index are issue 12"
+            f"(placements {[_placements(op) for op in operands]}) it raises or hangs (measured on 2 ranks)"
         ) from None
+
+
+def _gather_conflicting(subscripts: Sequence[str], out: str, operands: Sequence[Any]) -> list[Any]:
+    """Operands with every sharded index but one per mesh dim gathered (the one kept survives into ``out``).
+
+    The local blocks of two operands sharded over one mesh dim on different indices meet only on
+    the diagonal blocks of the result (e.g. q's rows against k's rows): one of them must be whole.
+    The first index that appears in the output stays sharded (the scores keep the query's rows);
+    the operands sharded on the other ones are gathered over that mesh dim (differentiable: their
+    gradient, partial per rank, is summed back by ``_local_einsum``'s ``sum_grad_over``).
+    """
+    owners: dict[int, list[tuple[str, int, int]]] = {}
+    for i, (subs, op) in enumerate(zip(subscripts, operands)):
+        if isinstance(op, ShardTensor):
+            for d, layout in sharded_dims(op).items():
+                owners.setdefault(layout.mesh_dim, []).append((subs[d], i, d))
+    result = list(operands)
+    for mesh_dim, entries in owners.items():
+        letters = list(dict.fromkeys(letter for letter, _, _ in entries))
+        if len(letters) < 2:
+            continue
+        keep = ([c for c in letters if c in out] or letters)[0]
+        for letter, i, _ in entries:
+            if letter != keep:
+                op = result[i]
+                placements = list(op._spec.placements)
+                placements[mesh_dim] = Replicate()
+                result[i] = op.redistribute(op._spec.mesh, placements)
+    return result
 
 
 def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     """The einsum on each rank's local blocks; ``_NotLocal`` where that would not be the answer."""
     subscripts, out = _split_equation(equation, operands)
+    operands = _gather_conflicting(subscripts, out, operands)
 
     # Sharded indices: letter -> (mesh dim, sizes), consistent over all sharded operands.
     sharded: dict[str, tuple[int, tuple[int, ...], DimLayout]] = {}
@@ -549,20 +608,6 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
                 sharded[letter] = entry
         elif isinstance(op, DTensor) and not all(p.is_replicate() for p in op.placements):
             raise _NotLocal(f"torch.einsum {equation!r}: a plain DTensor operand with placements {op.placements}")
-    contracted = [c for c in sharded if c not in out]
-    if contracted:
-        raise _NotLocal(
-            f"torch.einsum {equation!r}: contracts sharded index(es) {contracted} (the result is a partial sum "
-            "over ranks)"
-        )
-    by_mesh_dim: dict[int, list[str]] = {}
-    for letter, (mesh_dim, _, _) in sharded.items():
-        by_mesh_dim.setdefault(mesh_dim, []).append(letter)
-    shared = {m: letters for m, letters in by_mesh_dim.items() if len(letters) > 1}
-    if shared:
-        # e.g. an outer product "bi,ci->bci" of two operands sharded over the same mesh dim: the local
-        # blocks give only the diagonal blocks of the result.
-        raise _NotLocal(f"torch.einsum {equation!r}: indices sharded over one mesh dim {shared}")
     shard_mesh_dims = sorted({m for m, _, _ in sharded.values()})
 
     locals_: list[torch.Tensor] = []
@@ -570,22 +615,26 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
         if isinstance(op, ShardTensor):
             own = {subs[d] for d in sharded_dims(op)}
             local = op.to_local()
-            if any(c in sharded and c not in own for c in subs):
-                raise _NotLocal(
-                    f"torch.einsum {equation!r}: operand {subs!r} is sharded, but not on every sharded index "
-                    f"{sorted(sharded)} it carries"
-                )
-            # Replicate over a mesh dim that shards another operand (e.g. Transolver's attended slice
-            # tokens, a Replicate ShardTensor, against the point-sharded slice weights): each rank used
-            # it for its own rows only, so its gradient is summed over that mesh dim, as for plain ones.
+            # Replicate over a mesh dim that shards another operand (Transolver's attended slice
+            # tokens, a Replicate ShardTensor, against the point-sharded slice weights; a gathered
+            # key block): each rank uses it for its own rows only, so its gradient is summed over
+            # that mesh dim, as for plain ones.
             replicated_over = [d for d in shard_mesh_dims if op._spec.placements[d].is_replicate()]
-            locals_.append(sum_grad_over(local, mesh, replicated_over))
-            continue
-        # Each rank only sees its rows: the full gradient is the sum over ranks.
-        local = sum_grad_over(replicated_local(op, f"torch.einsum {equation!r}: operand"), mesh, shard_mesh_dims)
+            for d, letter in enumerate(subs):
+                if letter in sharded and letter not in own and local.shape[d] != 1:
+                    mesh_dim = sharded[letter][0]
+                    if mesh_dim not in replicated_over:
+                        raise _NotLocal(
+                            f"torch.einsum {equation!r}: operand {subs!r} is sharded over mesh dim {mesh_dim}, "
+                            f"but not on index {letter!r}, which another operand shards there"
+                        )
+            local = sum_grad_over(local, mesh, replicated_over)
+        else:
+            # Each rank only sees its rows: the full gradient is the sum over ranks.
+            local = sum_grad_over(replicated_local(op, f"torch.einsum {equation!r}: operand"), mesh, shard_mesh_dims)
         for d, letter in enumerate(subs):
-            if letter in sharded and local.shape[d] != 1:
-                mesh_dim, sizes, layout = sharded[letter]
+            if letter in sharded and letter not in (own if isinstance(op, ShardTensor) else ()) and local.shape[d] != 1:
+                _, sizes, layout = sharded[letter]
                 if local.shape[d] != sum(sizes):
                     raise MissingShardPatch(
                         f"torch.einsum {equation!r}: replicated operand {subs!r} has {local.shape[d]} rows on "
@@ -596,11 +645,78 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     result = torch.einsum(",".join(subscripts) + "->" + out, *locals_)
     placements: list[Any] = [Replicate()] * mesh.ndim
     dim_sizes = {}
+    summed = []
     for letter, (mesh_dim, sizes, _) in sharded.items():
-        placements[mesh_dim] = Shard(out.index(letter))
-        dim_sizes[out.index(letter)] = sizes
+        if letter in out:
+            placements[mesh_dim] = Shard(out.index(letter))
+            dim_sizes[out.index(letter)] = sizes
+        else:
+            summed.append(mesh_dim)  # contracted: each rank holds the sum over its own rows
+    # The total is replicated and its cotangent is the same on every rank: each rank's rows get it unchanged.
+    result = sum_to_replicated(result, mesh, sorted(summed))
     return build_shard_tensor(result, mesh, placements, dim_sizes)
 
+
+# -- matmul -------------------------------------------------------------------------------
+_BATCH_LETTERS = "abcdefghpqrstuvw"
+
+
+def _matmul_equation(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """``torch.matmul(a, b)`` as an einsum equation; ``None`` where it broadcasts a batch dim of size 1."""
+    if a.ndim == 0 or b.ndim == 0:
+        return None
+    if a.ndim == 1 and b.ndim == 1:
+        return "k,k->"
+    a_batch, b_batch = max(a.ndim - 2, 0), max(b.ndim - 2, 0)
+    width = max(a_batch, b_batch)
+    if width > len(_BATCH_LETTERS):
+        return None
+    batch = _BATCH_LETTERS[:width]
+    for i in range(1, min(a_batch, b_batch) + 1):
+        if a.shape[-2 - i] != b.shape[-2 - i]:
+            return None  # broadcasting a size-1 batch dim: left to the fallback
+    a_subs = batch[width - a_batch :] + ("mk" if a.ndim > 1 else "k")
+    b_subs = batch[width - b_batch :] + ("kn" if b.ndim > 1 else "k")
+    out = batch + ("m" if a.ndim > 1 else "") + ("n" if b.ndim > 1 else "")
+    return f"{a_subs},{b_subs}->{out}"
+
+
+@eager_handler
+def sharded_matmul(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``torch.matmul`` / ``@`` / ``torch.bmm`` of ShardTensors as the equivalent `sharded_einsum`.
+
+    Every sharding the einsum path runs works here, uneven and empty shards included: a sharded
+    batch or row dim stays sharded; a contracted sharded dim (``w.transpose(-1, -2) @ x`` over
+    sequence-sharded points) is summed over the ranks and returned ``Replicate``; a product of
+    two operands sharded on different dims of one mesh dim (``q @ k.transpose(-1, -2)``) gathers
+    the second. What it cannot express (a size-1 batch dim broadcast against a larger one, ``out=``,
+    0-d operands) goes to the fallback as before this plugin.
+
+    Examples:
+        Slice tokens from points split 5/4 (a contraction over the sharded dim):
+
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> g = torch.Generator().manual_seed(0)
+        >>> w, x = torch.randn(9, 3, generator=g), torch.randn(9, 4, generator=g)
+        >>> ws, xs = (shard_tensor(t, mesh, [Shard(0)], [5, 4]) for t in (w, x))
+        >>> tokens = torch.matmul(ws.transpose(0, 1), xs)
+        >>> tokens.placements, torch.allclose(tokens.to_local(), w.T @ x, atol=1e-6)
+        ((Replicate(),), True)
+    """
+    if len(args) != 2 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+        return delegate(func, types, args, kwargs)
+    a, b = args
+    if func in (torch.bmm, torch.Tensor.bmm) and (a.ndim != 3 or b.ndim != 3):
+        return delegate(func, types, args, kwargs)  # torch's own error
+    if func is torch.Tensor.__rmatmul__:
+        a, b = b, a
+    equation = _matmul_equation(a, b)
+    if equation is None:
+        return delegate(func, types, args, kwargs)
+    return _einsum_or_delegate(func, types, args, kwargs, equation, [a, b])
 
 
 @hookimpl
@@ -614,4 +730,8 @@ def shardext_declare_patches(patches: PatchSet) -> None:
         patches.function(target, replicated_add,
                          description="replicated full tensor + ShardTensor cut to the shard's own split; else fallback")
     patches.function(torch.einsum, sharded_einsum,
-                     description="einsum on local blocks; replicated operands sliced, their grads summed in backward")
+                     description="einsum on local blocks; replicated operands sliced, sharded contractions all-reduced")
+    for target in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
+                   torch.Tensor.bmm):
+        patches.function(target, sharded_matmul,
+                         description="matmul/bmm as the local-block einsum (uneven shards, sharded contractions)")

@@ -11,7 +11,8 @@ connections, SRResNet's ``PixelShuffle3d``). ``F.prelu``, which lived here
 before, is in the ``pointwise`` family.
 
 Every op here is local, with no communication in the forward pass, except a
-reshape or flatten that merges two sharded dims (one all-gather):
+reshape, view, flatten or unflatten that must redistribute rows (below, and in
+`reshape_sharded`):
 
 * ``permute`` / ``transpose``: the local block is permuted; each ``Shard(d)``
   follows its dimension to its new index, with the same per-rank row counts;
@@ -22,15 +23,27 @@ reshape or flatten that merges two sharded dims (one all-gather):
   coordinate grid) is cut to each rank's rows, its gradient summed over the shards;
 * ``stack`` of identically sharded tensors along a new dim; sharded dims at or
   after it move up by one;
-* ``flatten`` when the group starts with a sharded dim, or only size-1 dims precede
-  it (rows stay contiguous; row counts scale by the other dims' product), ``unflatten`` of a sharded dim
-  whose rows per rank are multiples of the new inner dims' product;
-* ``reshape`` / ``view`` (override the built-ins) and ``flatten`` that merge two
-  sharded dims (an H- and W-sharded grid into points): the inner dim is gathered
-  over its mesh dim first (one all-gather), because DTensor cannot split points
-  over two mesh dims with uneven, per-group sizes; the points come out sharded
-  over the outer dim's mesh dim and replicated over the other. Other reshapes go
-  to PhysicsNeMo's built-in;
+* ``reshape`` / ``view`` (override the built-ins), ``flatten`` and ``unflatten``
+  that merge or split a sharded dim (`reshape_sharded`), pixels to tokens and
+  back, windows: the dims are paired into groups of equal products, and in a
+  group holding a sharded dim
+
+  - a second sharded dim (an H- and W-sharded grid into points) is gathered over
+    its mesh dim first (one all-gather), because DTensor cannot split points
+    over two mesh dims with uneven, per-group sizes; the points come out sharded
+    over the outer dim's mesh dim and replicated over the other;
+  - dims of more than one row in front of the sharded dim (ViT's ``x.flatten(2)``
+    of an image sharded on W): the shard moves to the first of them
+    (`move_shard`, one all-to-all of the local block, rows in proportion to the
+    sharded dim's split: each rank keeps its share), not a gather;
+  - the output is sharded on the group's first new dim of more than one row, and
+    rank boundaries must be multiples of the product ``k`` of the new dims behind it
+    (tokens back to an ``H x W`` grid: ``k = W``; image rows into Swin windows:
+    ``k = ws``); where they are not, the rows are re-split to the nearest multiples
+    first (`resplit_rows`): only the rows between an old and a new boundary travel,
+    at most ``k // 2`` per boundary; aligned boundaries cost nothing.
+
+  Reshapes that keep every sharded dim as it is go to PhysicsNeMo's built-in;
 * ``.real`` / ``.imag`` / ``torch.real`` / ``torch.imag`` / ``view_as_real`` /
   ``view_as_complex`` (AFNO's spectral block): views of the local block, same
   placements and row counts.
@@ -42,8 +55,10 @@ all-gather, differentiable), then cut to the ShardTensors' rows like a replicate
 Delegated (`delegate`: the built-in for
 reshape/view, else the DTensor fallback), checked on 2 ranks: ``Partial`` inputs of
 ``cat`` and ``stack`` (GeoTransolver's context builder), of reshape/view, and of
-flatten/unflatten/complex views (as before this plugin); reshapes that merge no
-sharded dim with a dim in front of it; ``cat`` along a sharded dim (the fallback
+flatten/unflatten/complex views (as before this plugin); reshapes/views that keep
+every sharded dim as it is, ``view(dtype)``, one dim sharded over several mesh dims,
+zero-size dims and invalid shapes (the built-in; torch's error comes back; zero-size
+flatten/unflatten: the fallback); ``cat`` along a sharded dim (the fallback
 gathers it: ``Replicate`` output, values and gradients right on uneven shards);
 ``view_as_complex`` with its last dim sharded (the fallback gathers it: ``Replicate``);
 ``stack`` of inputs of different shapes (torch's own error comes back); ``cat`` and
@@ -53,15 +68,17 @@ ShardTensor, for ``stack`` a plain tensor) whose shards all hold DTensor's own
 gradients equal single-process).
 
 Refused (``MissingShardPatch``): a reshape/view/flatten that merges a sharded dim
-with dims in front of it holding more than one row (a batch of 2 samples per domain
-group merged with the sharded H, as FNO's decoder does: each rank's rows would
-interleave in the merged dim, which the built-in labels ``Shard`` anyway); ``cat`` and
-``stack`` of differently laid out
+with a dim 0 of more than one row in front of it (a batch of 2 samples per domain
+group merged with the sharded H, as FNO's decoder does, or Swin's window partition
+``(B, nH, nW, ws, ws, C) -> (B * nH * nW, ws, ws, C)`` with B > 1: each rank's rows
+of every sample would interleave in the merged dim, which no ``Shard`` describes; the
+built-in labels it ``Shard`` anyway; moving the shard to the batch dim would be right
+but would move whole samples, so it is left to the user: one sample per domain
+group, or the sharded dim first); ``cat`` and ``stack`` of differently laid out
 inputs when a shard is uneven or empty (the fallback assumes ``torch.chunk`` rows: a
 size mismatch, e.g. "Sizes of tensors must match except in dimension 1", or the
 ``uneven_redistribute`` guard; checked on 2 ranks); a replicated ``cat`` input of the
-wrong size (torch rejects it too); ``unflatten`` cutting across a rank boundary (the
-fallback fails: "Cannot unflatten unevenly sharded tensor" even on 6/6 shards).
+wrong size (torch rejects it too).
 
 Examples:
     ``x`` of shape ``(1, 4, 7, 3)`` split 5 + 2 on dim 2, on 2 ranks:
@@ -82,7 +99,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +109,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
+    DimLayout,
+    aligned_split_sizes,
+    balanced_split_sizes,
     build_shard_tensor,
     delegate,
     delegate_when_traced,
@@ -100,13 +120,16 @@ from physicsnemo_shardext.primitives import (
     fallback,
     from_local_like,
     is_partial,
+    move_shard,
     replicated_part,
+    resplit_rows,
     sharded_dims,
 )
 
 __all__ = [
-    "cat_local", "clone_local", "complex_view_local", "flatten_local", "gather_dims", "permute_local",
-    "reshape_merging_sharded_dims", "stack_local", "transpose_local", "unflatten_local",
+    "cat_local", "clone_local", "complex_view_local", "flatten_local", "gather_dims", "like_local", "permute_local",
+    "reshape_merging_sharded_dims", "reshape_sharded", "split_local", "stack_local", "transpose_local",
+    "unflatten_local",
 ]
 
 
@@ -214,13 +237,14 @@ def complex_view_local(
 def flatten_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
-    """``x.flatten(start, end)`` / ``torch.flatten`` on the local block when only the group's first dim is sharded.
+    """``x.flatten(start, end)`` / ``torch.flatten``: a reshape merging dims ``start..end`` (see `reshape_sharded`).
 
-    Rows of the first dim stay contiguous in the flattened dim, so each rank's count is
-    multiplied by the product of the other dims in the group (e.g. AFNO's patch embedding
-    ``x.flatten(2)`` of ``(B, D, h, w)`` sharded on ``h``). Dims of size 1 in front of the
-    sharded dim (batch 1) do not matter; a sharded dim behind dims holding more than one row
-    (a batch of 2 flattened with ``h``) is refused, its rows would interleave across ranks.
+    With the group's first non-unit dim sharded (AFNO's patch embedding ``x.flatten(2)`` of
+    ``(B, D, h, w)`` sharded on ``h``), the flatten is local and each rank's row count is
+    multiplied by the product of the other dims. With a dim in front of the sharded one
+    holding more than one row (ViT's ``x.flatten(2)`` sharded on ``W``), the shard is first
+    moved to that dim (`move_shard`, one all-to-all); a batch dim 0 of more than one
+    sample in front of it is refused (samples would interleave).
 
     Examples:
         >>> from torch.distributed.tensor import Shard
@@ -229,6 +253,16 @@ def flatten_local(
         >>> y = x.flatten(2)                       # (1, 4, 21): rows 5/2 become 15/6
         >>> y.placements, y.to_local().shape[2] == [15, 6][rank]
         ((Shard(dim=2),), True)
+
+        Sharded on W (5/1): the shard moves to H first (one all-to-all; H split 3/1 like W's
+        5/6 and 1/6 shares), then the tokens are 18/6:
+
+        >>> full = torch.arange(48.0).reshape(1, 2, 4, 6)
+        >>> tokens = shard_tensor(full, mesh, [Shard(3)], [5, 1]).flatten(2).transpose(1, 2)
+        >>> tokens.placements, tokens.to_local().shape[1] == [18, 6][rank]
+        ((Shard(dim=1),), True)
+        >>> torch.equal(tokens.full_tensor(), full.flatten(2).mT)
+        True
     """
     x, *rest = args
     start = kwargs.get("start_dim", rest[0] if rest else 0)
@@ -237,46 +271,23 @@ def flatten_local(
         return fallback(func, args, kwargs)  # as before this plugin
     if x.ndim == 0:
         return from_local_like(func(x.to_local(), *rest, **kwargs), x)
-    start, end = int(start) % x.ndim, int(end) % x.ndim
-    rows = _row_counts(x)
-    group = sorted(d for d in rows if start <= d <= end)
-    head = group[0] if group else start
-    lead = 1
-    for d in range(start, head):
-        lead *= x.shape[d]
-    if lead != 1:
-        raise MissingShardPatch(
-            f"{describe_target(func)}({start}, {end}) of shape {tuple(x.shape)}: merges sharded dim {head} with "
-            f"dims {list(range(start, head))} in front of it (sizes {tuple(x.shape[start:head])}); its rows would "
-            "interleave across ranks (e.g. a batch of more than one sample per domain group)"
-        )
-    if group[1:]:
-        # Two sharded dims in one group (an H- and W-sharded grid into points): DTensor can split
-        # the points over one mesh dim only, so the inner dims are gathered first.
-        x = gather_dims(x, group[1:])
-        rows = _row_counts(x)
-    factor = 1
-    for d in range(head + 1, end + 1):
-        factor *= x.shape[d]
-    shift = end - start
-    placements, sizes = list(x._spec.placements), {}
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % x.ndim
-            new_d = d if d < start else start if d <= end else d - shift
-            placements[m] = Shard(new_d)
-            sizes[new_d] = tuple(n * factor for n in rows[d]) if d == head else rows[d]
-    return build_shard_tensor(x.to_local().flatten(start, end), x._spec.mesh, placements, sizes)
+    new_shape = tuple(torch.empty(x.shape, device="meta").flatten(int(start), int(end)).shape)
+    if not _reshapable(x, new_shape):
+        return fallback(func, args, kwargs)  # zero-size dims: as before this plugin
+    return reshape_sharded(func, x, new_shape)
 
 
 @eager_handler
 def unflatten_local(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ShardTensor:
-    """``x.unflatten(dim, sizes)`` / ``torch.unflatten`` on the local block.
+    """``x.unflatten(dim, sizes)`` / ``torch.unflatten``: a reshape splitting ``dim`` (see `reshape_sharded`).
 
-    A sharded ``dim`` splits into ``sizes`` with the first new dim sharded; every rank's row
-    count must be a multiple of the product of the other new sizes (else refused).
+    A sharded ``dim`` splits into ``sizes`` with the first new dim of more than one row
+    sharded. Rank boundaries must fall on multiples of the product of the new dims behind
+    it; where they do not (tokens split 25/23 unflattened into an ``8 x 6`` grid), the
+    rows are re-split to the nearest multiples first (`resplit_rows`: only the rows
+    between old and new boundaries travel).
 
     Examples:
         >>> from torch.distributed.tensor import Shard
@@ -285,6 +296,11 @@ def unflatten_local(
         >>> y = x.flatten(2).unflatten(2, (7, 3))  # rows 15/6 back to 5/2
         >>> y.placements, y.to_local().shape[2] == [5, 2][rank]
         ((Shard(dim=2),), True)
+        >>> t = shard_tensor(torch.arange(144.0).reshape(1, 3, 48), mesh, [Shard(2)], [25, 23])
+        >>> grid = t.unflatten(2, (8, 6))          # boundary 25 -> 24: one token moves, rows 4/4
+        >>> expected = t.full_tensor().unflatten(2, (8, 6))
+        >>> grid.placements, grid.to_local().shape[2], torch.equal(grid.full_tensor(), expected)
+        ((Shard(dim=2),), 4, True)
     """
     x, *rest = args
     dim = kwargs.get("dim", rest[0] if rest else None)
@@ -292,52 +308,178 @@ def unflatten_local(
     if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     dim = int(dim) % x.ndim
-    rows = _row_counts(x)
-    new_shape = list(torch.empty(x.shape[dim], device="meta").unflatten(0, tuple(shape)).shape)
-    inner = 1
-    for n in new_shape[1:]:
-        inner *= n
-    if dim in rows and any(n % inner for n in rows[dim]):
-        raise MissingShardPatch(
-            f"{describe_target(func)}(dim={dim}, sizes={tuple(shape)}): rows per rank {rows[dim]} are not "
-            f"multiples of {inner}; a rank boundary would fall inside the new inner dims"
-        )
-    grow = len(new_shape) - 1
-    placements, sizes = list(x._spec.placements), {}
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % x.ndim
-            new_d = d if d <= dim else d + grow
-            placements[m] = Shard(new_d)
-            sizes[new_d] = tuple(n // inner for n in rows[d]) if d == dim else rows[d]
-    first = x.to_local().shape[dim] // inner if dim in rows else new_shape[0]  # explicit: a rank may hold 0 rows
-    local = x.to_local().unflatten(dim, [first, *new_shape[1:]])
-    return build_shard_tensor(local, x._spec.mesh, placements, sizes)
+    split = tuple(torch.empty(x.shape[dim], device="meta").unflatten(0, tuple(shape)).shape)
+    new_shape = tuple(x.shape[:dim]) + split + tuple(x.shape[dim + 1:])
+    if not _reshapable(x, new_shape):
+        return fallback(func, args, kwargs)  # zero-size dims: as before this plugin
+    return reshape_sharded(func, x, new_shape)
 
 
-def _prefix_products(shape: Sequence[int]) -> list[int]:
-    products, running = [1], 1
-    for n in shape:
-        running *= n
-        products.append(running)
-    return products
+def _prod(sizes: Iterable[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= int(s)
+    return n
 
 
-def _merged_sharded_dims(x: ShardTensor, new_shape: Sequence[int]) -> list[int]:
-    """Sharded dims of ``x`` that a reshape to ``new_shape`` merges into an earlier sharded dim.
+def _view_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Pair the dims of two shapes (sizes >= 1, equal numel) into groups of equal products, in order.
 
-    Old dims ``a < b`` end up in one new dim unless the element offset at some boundary
-    ``k`` in ``(a, b]`` is also a boundary of the new shape (equal prefix products).
+    Each group holds at least one dim of each shape: old dims ``o`` become new dims ``n``, a
+    contiguous range of elements either way. Trailing unit dims join the group before them.
     """
-    old_products = _prefix_products(x.shape)
-    new_boundaries = set(_prefix_products(new_shape))
-    merged, previous = [], None
-    for d in sorted(_row_counts(x)):
-        if previous is not None and not any(old_products[k] in new_boundaries for k in range(previous + 1, d + 1)):
-            merged.append(d)
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(old) or j < len(new):
+        o: list[int] = []
+        n: list[int] = []
+        po = pn = 1
+        if i < len(old):
+            o.append(i)
+            po *= old[i]
+            i += 1
+        if j < len(new):
+            n.append(j)
+            pn *= new[j]
+            j += 1
+        while po != pn:  # equal totals: the smaller side always has a dim left
+            if po < pn:
+                o.append(i)
+                po *= old[i]
+                i += 1
+            else:
+                n.append(j)
+                pn *= new[j]
+                j += 1
+        if groups and (not o or not n):
+            groups[-1][0].extend(o)
+            groups[-1][1].extend(n)
         else:
-            previous = d
-    return merged
+            groups.append((o, n))
+    return [(tuple(o), tuple(n)) for o, n in groups]
+
+
+def _proportional_sizes(total: int, weights: Sequence[int]) -> tuple[int, ...]:
+    """``total`` rows split in proportion to ``weights`` (largest remainders, ties to the lower coordinate).
+
+    Where a shard moves from one dim to another, each rank keeps its share of the tensor
+    (its load), and the bytes moved, ``sum_r local_r * (1 - share_r)``, are no more than an
+    even split's (up to rounding); an empty shard stays empty and sends nothing.
+    """
+    weight = sum(weights)
+    if weight == 0:
+        return balanced_split_sizes(total, len(weights))
+    sizes = [total * w // weight for w in weights]
+    remainders = sorted(range(len(weights)), key=lambda c: (-(total * weights[c] % weight), c))
+    for c in remainders[: total - sum(sizes)]:
+        sizes[c] += 1
+    return tuple(sizes)
+
+
+def _reshapable(x: ShardTensor, new_shape: Sequence[int]) -> bool:
+    """Whether `reshape_sharded` takes ``x -> new_shape``: Shard/Replicate placements, no zero-size or 0-d shape."""
+    if x.ndim == 0 or len(new_shape) == 0 or 0 in tuple(x.shape) or 0 in tuple(new_shape):
+        return False
+    if not all(isinstance(p, (Shard, Replicate)) for p in x._spec.placements):
+        return False
+    try:
+        sharded_dims(x)
+    except MissingShardPatch:  # one dim sharded over several mesh dims
+        return False
+    return True
+
+
+def reshape_sharded(func: Any, x: ShardTensor, new_shape: Sequence[int]) -> ShardTensor:
+    """``x`` reshaped to ``new_shape`` (resolved, same numel), every sharded dim carried to the output.
+
+    The dims are paired into groups (old dims -> new dims of equal product). In each group
+    holding a sharded dim:
+
+    1. further sharded dims of the group (an H- and W-sharded grid into points) are
+       gathered (`gather_dims`, one all-gather): the points can be split over one mesh dim only;
+    2. if dims of more than one row precede the sharded dim in the group, the shard moves to
+       the first of them (`move_shard`, one all-to-all; its rows in proportion to the sharded
+       dim's split, so each rank keeps its share and an empty shard sends nothing): then each
+       rank's elements of the group are one contiguous range. That first dim being dim 0 (a batch
+       of more than one sample) is refused: samples' rows would interleave;
+    3. the group's output is sharded on its first new dim ``g`` of more than one row; the
+       rank boundaries must be multiples of the product ``k`` of the new dims behind ``g``,
+       else the elements are re-split to the nearest multiples (`resplit_rows`: only the
+       elements between old and new boundaries travel, at most ``k // 2`` per boundary);
+    4. the local block is reshaped; no communication in any other case.
+
+    Examples:
+        Swin's window partition of ``(1, 8, 6, C)`` split 5/3 on H into 2 x 2 windows: the
+        boundary 5 moves to 4 (rank 0 sends one image row), then 6 windows per rank:
+
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(96.0).reshape(1, 8, 6, 2)
+        >>> x = shard_tensor(full, mesh, [Shard(1)], [5, 3])
+        >>> windows = x.view(1, 4, 2, 3, 2, 2).permute(0, 1, 3, 2, 4, 5).reshape(-1, 2, 2, 2)
+        >>> windows.placements, windows.to_local().shape[0]
+        ((Shard(dim=0),), 6)
+        >>> back = windows.view(1, 4, 3, 2, 2, 2).permute(0, 1, 3, 2, 4, 5).reshape(1, 8, 6, 2)
+        >>> back.placements, back.to_local().shape[1], torch.equal(back.full_tensor(), full)
+        ((Shard(dim=1),), 4, True)
+    """
+    new_shape = tuple(int(n) for n in new_shape)
+    groups = _view_groups(tuple(x.shape), new_shape)
+    layouts = sharded_dims(x)
+    # plan (no communication): what to gather, where each group's shard moves, what is refused
+    gathered: list[int] = []
+    moves: list[tuple[int, int]] = []
+    for old, _ in groups:
+        sharded = [d for d in old if d in layouts]
+        if not sharded:
+            continue
+        gathered += sharded[1:]
+        head = sharded[0]
+        front = [d for d in old if d < head and x.shape[d] != 1]
+        if front and front[0] == 0:
+            before = list(range(old[0], head))
+            raise MissingShardPatch(
+                f"{describe_target(func)}{tuple(x.shape)} -> {tuple(new_shape)}: merges sharded dim {head} with dims "
+                f"{before} in front of it (sizes {tuple(x.shape[old[0]:head])}); each rank's rows would interleave "
+                f"across ranks in the merged dim (dim 0 holds {x.shape[0]} samples: a batch of more than one sample "
+                "per domain group, e.g. FNO's decoder or Swin's window partition with B > 1). Use one sample per "
+                "domain group, or move the sharded dim first (permute)"
+            )
+        if front:
+            moves.append((head, front[0]))
+    if gathered:
+        x = gather_dims(x, gathered)
+        layouts = sharded_dims(x)
+    local = x.to_local()
+    for src, dst in moves:
+        layout = layouts.pop(src)
+        sizes = _proportional_sizes(x.shape[dst], layout.sizes)
+        local = move_shard(local, layout, dst, sizes)
+        layouts[dst] = DimLayout(dst, layout.mesh_dim, sizes, layout.coord, layout.mesh)
+    # each group as one dim: a sharded group's elements form one contiguous range per rank
+    blocks = local.reshape([_prod(local.shape[d] for d in old) for old, _ in groups])
+    placements = list(x._spec.placements)
+    sizes_by_dim: dict[int, tuple[int, ...]] = {}
+    local_shape: list[int] = []
+    for i, (old, new) in enumerate(groups):
+        sharded = [d for d in old if d in layouts]
+        if not sharded:
+            local_shape += [new_shape[j] for j in new]
+            continue
+        layout = layouts[sharded[0]]
+        inner = _prod(x.shape[d] for d in old if d > layout.tensor_dim)
+        elements = tuple(n * inner for n in layout.sizes)
+        g = next((j for j in new if new_shape[j] != 1), new[0])
+        k = _prod(new_shape[j] for j in new if j > g)
+        if any(offset % k for offset in DimLayout(i, layout.mesh_dim, elements, layout.coord, None).offsets):
+            aligned = aligned_split_sizes(elements, k)
+            blocks = resplit_rows(blocks, DimLayout(i, layout.mesh_dim, elements, layout.coord, layout.mesh), aligned)
+            elements = aligned
+        rows = tuple(n // k for n in elements)
+        placements[layout.mesh_dim] = Shard(g)
+        sizes_by_dim[g] = rows
+        local_shape += [rows[layout.coord] if j == g else new_shape[j] for j in new]
+    return build_shard_tensor(blocks.reshape(local_shape), x._spec.mesh, placements, sizes_by_dim)
 
 
 def gather_dims(x: ShardTensor, dims: Sequence[int]) -> ShardTensor:
@@ -366,15 +508,31 @@ def gather_dims(x: ShardTensor, dims: Sequence[int]) -> ShardTensor:
     return x.redistribute(x._spec.mesh, placements)
 
 
+
 @eager_handler
 def reshape_merging_sharded_dims(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``reshape``/``view`` that merges two sharded dims: gather the inner one first, then the built-in.
+    """``reshape``/``view`` that merges or splits a sharded dim: `reshape_sharded`; the rest goes to the built-in.
 
-    Every other reshape goes to PhysicsNeMo's built-in handler unchanged.
+    Taken here: a ShardTensor (Shard/Replicate placements) whose sharded dim is merged with
+    other dims or split into several (tokens <-> grid, windows, points). Delegated to
+    PhysicsNeMo's built-in: reshapes that keep every sharded dim as it is, ``Partial``
+    inputs, ``view(dtype)``, nested sharding of one dim, zero-size dims and invalid shapes
+    (torch's error comes back).
 
     Examples:
+        Tokens ``(1, 48, C)`` split 25/23 back to a grid ``(1, 8, 6, C)``: the boundary moves to
+        24 (rank 0 sends one token), H is split 4/4:
+
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> t = shard_tensor(torch.arange(96.0).reshape(1, 48, 2), mesh, [Shard(1)], [25, 23])
+        >>> grid = t.reshape(1, 8, 6, 2)
+        >>> expected = t.full_tensor().reshape(1, 8, 6, 2)
+        >>> grid.placements, grid.to_local().shape[1], torch.equal(grid.full_tensor(), expected)
+        ((Shard(dim=1),), 4, True)
+
         On a 2-D mesh (not run here: the doctests have a 1-D one), a grid ``(1, c, H, W)``
         sharded on H and W:
 
@@ -389,44 +547,15 @@ def reshape_merging_sharded_dims(
         if isinstance(shape, int):
             shape = (shape,)
         try:
-            new_shape = torch.empty(x.shape, device="meta").reshape(tuple(shape)).shape
+            new_shape = tuple(torch.empty(x.shape, device="meta").reshape(tuple(shape)).shape)
         except (RuntimeError, TypeError):
-            new_shape = None  # let the built-in report the bad shape
-        try:
-            merged = _merged_sharded_dims(x, new_shape) if new_shape is not None else []
-        except MissingShardPatch:  # one dim sharded over several mesh dims: the built-in's business
-            merged = []
-        if new_shape is not None:
-            _refuse_interleaving(func, x, new_shape, merged)
-        if merged:
-            args = (gather_dims(x, merged), *rest)
+            new_shape = None  # view(dtype), a bad shape: the built-in's business
+        if new_shape is not None and _reshapable(x, new_shape):
+            layouts = sharded_dims(x)
+            groups = _view_groups(tuple(x.shape), new_shape)
+            if any(len(old) + len(new) > 2 for old, new in groups if set(old) & layouts.keys()):
+                return reshape_sharded(func, x, new_shape)
     return delegate(func, types, args, kwargs)
-
-
-def _refuse_interleaving(func: Any, x: ShardTensor, new_shape: Sequence[int], merged: Sequence[int]) -> None:
-    """Refuse a reshape that merges a sharded dim with dims in front of it holding more than one row.
-
-    With ``B > 1`` samples, ``(B, H, C) -> (B*H, C)`` puts sample 0's rows of every rank first:
-    rank 1's rows of sample 0 would sit in the middle of the merged dim, not after rank 0's
-    rows of every sample, so no ``Shard`` of the merged dim describes the result (the
-    built-in labels it ``Shard(0)`` anyway). Size-1 leading dims (batch 1) merge harmlessly.
-    """
-    try:
-        rows = _row_counts(x)
-    except MissingShardPatch:  # one dim sharded over several mesh dims: the built-in's business
-        return
-    old_products = _prefix_products(x.shape)
-    new_boundaries = set(_prefix_products(new_shape))
-    for d in sorted(rows):
-        if d in merged or old_products[d] in new_boundaries:
-            continue
-        start = max(k for k in range(d + 1) if old_products[k] in new_boundaries)
-        raise MissingShardPatch(
-            f"{describe_target(func)}{tuple(x.shape)} -> {tuple(new_shape)}: merges sharded dim {d} with dims "
-            f"{list(range(start, d))} in front of it (sizes {tuple(x.shape[start:d])}); each rank's rows would "
-            "interleave across ranks in the merged dim (e.g. a batch of more than one sample per domain "
-            "group). Move the sharded dim first (permute) or use one sample per domain group"
-        )
 
 
 def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
@@ -591,6 +720,57 @@ def stack_local(
     return build_shard_tensor(local, first._spec.mesh, new_placements, sizes)
 
 
+@eager_handler
+def split_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``split`` / ``chunk`` / ``tensor_split`` along an unsharded dim: pieces of the local block.
+
+    The pieces keep the input's placements and split, e.g. a fused ``qkv`` projection cut into
+    q, k and v on a sequence split 5/4. Along a sharded dim, or for a ``Partial`` input, the
+    DTensor fallback runs as before this plugin. (``unbind`` has PhysicsNeMo's own handler.)
+
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> qkv = shard_tensor(torch.arange(54.0).reshape(1, 9, 6), mesh, [Shard(1)], [5, 4])
+        >>> q, k, v = qkv.chunk(3, dim=-1)                # rows stay 5/4 (the fallback re-cut them 5/5)
+        >>> q.placements, q.to_local().shape[1] == [5, 4][rank], torch.equal(v.full_tensor(), qkv.full_tensor()[..., 4:])
+        ((Shard(dim=1),), True, True)
+    """
+    x, *rest = args
+    if not isinstance(x, ShardTensor) or is_partial(x):
+        return fallback(func, args, kwargs)  # as before this plugin
+    dim = kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
+    if x.ndim == 0 or int(dim) % x.ndim in _row_counts(x):
+        return fallback(func, args, kwargs)  # along a sharded dim (or torch's own error): as before this plugin
+    return tuple(from_local_like(piece, x) for piece in func(x.to_local(), *rest, **kwargs))
+
+
+@eager_handler
+def like_local(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``zeros_like`` / ``ones_like`` / ``empty_like`` / ``full_like`` of a ShardTensor: the same shards, locally.
+
+    Any ``dtype`` included: ``nn.MultiheadAttention`` turns a bool padding mask into a float one
+    with ``torch.zeros_like(mask, dtype=...)``, which the fallback re-cut evenly on uneven splits.
+    A ``Partial`` input keeps the fallback.
+
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> mask = shard_tensor(torch.tensor([[True, False, True, True, False]]), mesh, [Shard(1)], [4, 1])
+        >>> z = torch.zeros_like(mask, dtype=torch.float32)
+        >>> z.placements, z.dtype, z.to_local().shape[1] == [4, 1][rank]
+        ((Shard(dim=1),), torch.float32, True)
+    """
+    x, *rest = args
+    if not isinstance(x, ShardTensor) or is_partial(x):
+        return fallback(func, args, kwargs)  # as before this plugin
+    return from_local_like(func(x.to_local(), *rest, **kwargs), x)
+
+
 _TARGETS: tuple[tuple[Any, FunctionHandler, str], ...] = (
     (torch.Tensor.permute, permute_local, "permute the local block; Shard dims follow (no communication)"),
     (torch.permute, permute_local, "permute the local block; Shard dims follow (no communication)"),
@@ -611,6 +791,16 @@ _TARGETS: tuple[tuple[Any, FunctionHandler, str], ...] = (
     (torch.imag, complex_view_local, "torch.imag as a view of the local block, same shards"),
     (torch.view_as_real, complex_view_local, "view_as_real of the local block; appended dim unsharded"),
     (torch.view_as_complex, complex_view_local, "view_as_complex of the local block; last dim must be unsharded"),
+    (torch.zeros_like, like_local, "zeros_like of the local block, same shards (any dtype)"),
+    (torch.ones_like, like_local, "ones_like of the local block, same shards (any dtype)"),
+    (torch.empty_like, like_local, "empty_like of the local block, same shards (any dtype)"),
+    (torch.full_like, like_local, "full_like of the local block, same shards (any dtype)"),
+    (torch.Tensor.split, split_local, "split along an unsharded dim: pieces of the local block, same shards"),
+    (torch.split, split_local, "split along an unsharded dim: pieces of the local block, same shards"),
+    (torch.Tensor.chunk, split_local, "chunk along an unsharded dim: pieces of the local block, same shards"),
+    (torch.chunk, split_local, "chunk along an unsharded dim: pieces of the local block, same shards"),
+    (torch.Tensor.tensor_split, split_local, "tensor_split along an unsharded dim: local pieces, same shards"),
+    (torch.tensor_split, split_local, "tensor_split along an unsharded dim: local pieces, same shards"),
 )
 
 

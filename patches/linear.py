@@ -20,6 +20,14 @@ first (one all-reduce, as the built-in's DTensor path does), then handled like
 any other, so the weight gradient is reduced and ``Replicate`` where the built-in
 leaves it ``Partial``.
 
+``F.embedding`` (``nn.Embedding``) of sharded token ids: each rank looks up its own ids
+in the replicated table; the output keeps the ids' placements and split (the embedding
+dim is appended) and the table's gradient is summed over the mesh dims that shard the
+ids (the fallback hands it back ``Partial`` and fails on uneven splits). Delegated:
+ids that are not a ShardTensor or are ``Partial``, and ``max_norm`` (renormalises rows of
+the table in place from each rank's own ids), ``scale_grad_by_freq`` (needs global id
+counts) and ``sparse`` gradients, which keep the path they had before this plugin.
+
 Refused (``MissingShardPatch``): sharded (non-``Replicate``) weights or biases,
 and one tensor dim sharded over several mesh dims (what PhysicsNeMo's own ``view`` gives
 when flattening an H- and W-sharded grid into points, and cannot reshape back;
@@ -68,7 +76,7 @@ from physicsnemo_shardext.primitives import (
     sum_grad_over,
 )
 
-__all__ = ["sharded_linear"]
+__all__ = ["sharded_embedding", "sharded_linear"]
 
 
 def _linear(input: Any, weight: Any, bias: Any = None) -> None:
@@ -101,6 +109,55 @@ def sharded_linear(
 
 
 
+def _embedding(
+    input: Any,
+    weight: Any,
+    padding_idx: Any = None,
+    max_norm: Any = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> None:
+    """The parameters of ``F.embedding``."""
+
+
+@eager_handler
+def sharded_embedding(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``F.embedding`` of sharded ids: a local lookup; the table's gradient summed over the sharding mesh dims.
+
+    Examples:
+        Token ids split 3/2 on 2 ranks:
+
+        >>> import torch
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> ids = shard_tensor(torch.tensor([[0, 3, 1, 3, 2]]), mesh, [Shard(1)], [3, 2])
+        >>> table = torch.linspace(-1, 1, 8).reshape(4, 2).requires_grad_()
+        >>> vectors = F.embedding(ids, table)
+        >>> vectors.placements, tuple(vectors.to_local().shape) == [(1, 3, 2), (1, 2, 2)][rank]
+        ((Shard(dim=1),), True)
+        >>> vectors.to_local().sum().backward()
+        >>> table.grad[:, 0]                      # id 3 appears twice, once on each rank
+        tensor([1., 1., 1., 2.])
+    """
+    a = bind_arguments(_embedding, args, kwargs)
+    ids, weight = a["input"], a["weight"]
+    if (
+        not isinstance(ids, ShardTensor)
+        or is_partial(ids)
+        or a["max_norm"] is not None
+        or a["scale_grad_by_freq"]
+        or a["sparse"]
+    ):
+        return delegate(func, types, args, kwargs)
+    mesh, mesh_dims = ids._spec.mesh, sharding_mesh_dims(ids)
+    table = sum_grad_over(replicated_local(weight, "torch.nn.functional.embedding: weight"), mesh, mesh_dims)
+    local = F.embedding(ids.to_local(), table, a["padding_idx"])
+    return from_local_like(local, ids)
+
+
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Override the built-in ``F.linear`` handler (it delegates back for what it does not change)."""
@@ -109,4 +166,9 @@ def shardext_declare_patches(patches: PatchSet) -> None:
         sharded_linear,
         override=True,
         description="F.linear on row shards; weight/bias gradients reduced to Replicate",
+    )
+    patches.function(
+        F.embedding,
+        sharded_embedding,
+        description="F.embedding of sharded ids: local lookup; table gradient reduced to Replicate",
     )

@@ -56,3 +56,22 @@ def test_fno_training_example_tracks_single_process(options, model, heights, plu
     assert len(curves) == 2 and len(curves[0].split()) == 6
     match = re.search(r"worst relative loss difference (\S+), max weight difference (\S+) -> TRACKS", result.stdout)
     assert match and float(match.group(1)) < 1e-4 and float(match.group(2)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("ranks", "options", "header"),
+    [(2, ["--model", "vit"], "vit: ranks 2 (cpu), ddp 1, domain split [16, 16]"),
+     (4, ["--model", "lm", "--ddp", "2"], "lm: ranks 4 (cpu), ddp 2, domain split [50, 49]")],
+    ids=["vit", "lm-ddp2"],
+)
+def test_transformer_example_verifies_and_trains(ranks, options, header):
+    """examples/transformer_cpu.py (docs/transformers.md): the check against one process passes, then it trains."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(EXAMPLES / "transformer_cpu.py"), "--steps", "2", *options],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert header in result.stdout
+    assert "training check ok" in result.stdout
+    assert re.search(r"step 1: loss \d", result.stdout)

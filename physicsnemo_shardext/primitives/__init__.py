@@ -12,7 +12,8 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
    `DimLayout`, `sharding_mesh_dims`, `plan_exchange`,
    `halo_indices`, `split_rows_by_owner`, `balanced_split_sizes`;
 4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
-   `transpose_shard`, `gather_full`, and the three gradient contracts
+   `transpose_shard`, `resplit_rows` / `align_shard` (boundaries to multiples
+   of ``k``, sizes from `aligned_split_sizes`), `gather_full`, and the three gradient contracts
    `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated`;
    replicated operands through `replicated_local` / `replicated_part`
    (`is_replicated` tells them apart; `elementwise_with_replicated` applies a
@@ -33,6 +34,7 @@ Examples:
     [9, 10, 11]
 """
 
+from physicsnemo_shardext.primitives.alignment import align_shard, aligned_split_sizes, resplit_rows
 from physicsnemo_shardext.primitives.allocation import sharded_allocations
 from physicsnemo_shardext.primitives.arguments import bind_arguments, expand_to
 from physicsnemo_shardext.primitives.checks import is_partial, is_replicated, normalize_dim, require_shard_input
@@ -67,6 +69,8 @@ from physicsnemo_shardext.targets import describe_target
 __all__ = [
     "DimLayout",
     "ExchangePlan",
+    "align_shard",
+    "aligned_split_sizes",
     "all_reduce_sum",
     "balanced_split_sizes",
     "bind_arguments",
@@ -94,6 +98,7 @@ __all__ = [
     "replicated_local",
     "replicated_part",
     "require_shard_input",
+    "resplit_rows",
     "sharded_allocations",
     "sharded_dims",
     "sharding_mesh_dims",

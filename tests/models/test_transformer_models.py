@@ -25,29 +25,31 @@ What runs where (PhysicsNeMo 2.2.2, torch 2.14):
   contracts the sharded points into slice tokens (``torch.matmul`` over ``N``: a
   ``Partial(sum)`` result), projects them (``F.linear`` of a ``Partial`` input),
   all-reduces, attends among the replicated slices and maps back with
-  ``torch.einsum("bths,bhsd->bthd", ...)``. **Uneven** shards fail, with and
-  without this package: the ``torch.matmul`` that contracts the sharded dim has
-  no shard patch, and DTensor's fallback sizes the local blocks as even chunks
-  (``RuntimeError: The expanded size of the tensor (8) must match the existing
-  size (9)``). Without the package they fail earlier, at Transolver's
-  ``torch.cat((embedding, fx), -1)`` on uneven shards (``ValueError: Rank 0
-  expected local shape (1, 8, 8) does not match tensor's local shape``). Those
-  tests are strict ``xfail``: they turn into failures the day the matmul works.
+  ``torch.einsum("bths,bhsd->bthd", ...)``. **Uneven** shards run too: the
+  ``indexing_einsum`` family's ``torch.matmul`` handler computes the contraction
+  over the sharded points locally and all-reduces the slice tokens (DTensor's
+  fallback sized the local blocks as even chunks and failed: ``RuntimeError: The
+  expanded size of the tensor (8) must match the existing size (9)``; without the
+  package Transolver fails earlier, at ``torch.cat((embedding, fx), -1)`` on
+  uneven shards).
 * 2-D meshes: the physics attention calls ``qkv.redistribute(placements=[Replicate()])``
   (one placement), so PhysicsNeMo's Transolver family runs on a 1-D domain mesh
   only (``ValueError: Number of placements must match mesh dimensions`` on a 2x2
   mesh, with and without this package). The 2x2 case that is meaningful is
   PhysicsNeMo's own ``(ddp, domain)`` layout: each ddp replica runs the model on
   its 1-D ``"domain"`` submesh (tested).
-* **FLARE** and **GeoTransolver (GALE_FA)**: CUDA-only. FLARE attention's first
+* **FLARE** and **GeoTransolver (GALE_FA)**: CPU and GPU. FLARE attention's first
   pass is ``scaled_dot_product_attention(global queries (replicated), K/V
-  sharded)``; PhysicsNeMo's SDPA handler (``ReplicatedQSDPA``) computes it with
-  ``aten._scaled_dot_product_efficient_attention``, which has no CPU kernel.
-* **DiT**: CUDA-only. With the ``timm`` backend, the sequence-sharded q, k and v
-  go to PhysicsNeMo's ring attention (``ring_sdpa``), which overlaps the K/V ring
-  with ``torch.cuda`` streams and events and uses the CUDA efficient-attention
-  kernel; the ``natten2d`` backends need NATTEN's (CUDA) kernels and PhysicsNeMo's
-  halo wrapper around them.
+  sharded)``; PhysicsNeMo's handler (``ReplicatedQSDPA``) computes it with the
+  CUDA-only ``aten._scaled_dot_product_efficient_attention``; on CPU the attention
+  family's ``replicated_query_attention`` runs it (per-rank partial softmax sums,
+  three small all-reduces).
+* **DiT** with the ``timm`` backend: CPU and GPU; the sequence-sharded q, k and v
+  go to the attention family's ring (PhysicsNeMo's own ring needs CUDA streams).
+  The ``natten2d`` backends need NATTEN's (CUDA) kernels and PhysicsNeMo's halo
+  wrapper around them: CUDA-only.
+* A **ViT** encoder (timm, 1-D and 2x2 meshes) and a **causal language model**
+  (embedding, causal SDPA, cross-entropy training against one process) run too.
 """
 
 from __future__ import annotations
@@ -64,19 +66,9 @@ from physicsnemo_shardext.testing import ShardSpec, check_conformance
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}  # float32, outputs and every gradient
 
-CUDA_ONLY_SDPA = (
-    "CUDA-only in PhysicsNeMo 2.2: FLARE attention runs SDPA with replicated global queries against "
-    "sequence-sharded K/V, which PhysicsNeMo's sdpa handler (ReplicatedQSDPA) computes with "
-    "aten._scaled_dot_product_efficient_attention, a kernel with no CPU implementation"
-)
 CUDA_ONLY_NATTEN = (
     "CUDA-only: the natten2d backends need NATTEN's neighborhood-attention kernels (CUDA builds) behind "
     "PhysicsNeMo's halo-exchanging na2d wrapper"
-)
-UNEVEN_MATMUL = (
-    "torch.matmul contracting the sharded point dim (physics attention's slice tokens) has no shard patch; "
-    "DTensor's fallback sizes the local blocks as even chunks and fails on uneven shards (fails without "
-    "this package too, earlier, at torch.cat of the uneven embedding and fx)"
 )
 
 
@@ -140,9 +132,14 @@ def test_transolver_on_2_ranks_distributed_params(domain_mesh):
 
 
 @pytest.mark.multirank(2, timeout=120)
-@pytest.mark.xfail(strict=True, reason=UNEVEN_MATMUL)
-def test_transolver_on_2_ranks_uneven(domain_mesh):
-    _check(transolver(), _points(), ShardSpec(domain_mesh, [Shard(1)], [9, 7]), params="plain")
+@pytest.mark.parametrize("params", ["plain", "distribute"])
+def test_transolver_on_2_ranks_uneven(domain_mesh, params):
+    _check(transolver(), _points(), ShardSpec(domain_mesh, [Shard(1)], [9, 7]), params=params)
+
+
+@pytest.mark.multirank(4, timeout=120)
+def test_transolver_on_4_ranks_uneven_with_an_empty_shard(domain_mesh):
+    _check(transolver(), _points(), ShardSpec(domain_mesh, [Shard(1)], [7, 0, 5, 4]), params="plain")
 
 
 @pytest.mark.multirank(4, timeout=120)
@@ -181,19 +178,19 @@ def test_geotransolver_gale_on_2_ranks_distributed_params(domain_mesh):
 
 
 @pytest.mark.multirank(2, timeout=120)
-@pytest.mark.xfail(strict=True, reason=UNEVEN_MATMUL)
 def test_geotransolver_gale_on_2_ranks_uneven(domain_mesh):
     inputs, specs = _geo_inputs(domain_mesh, [9, 7], [6, 7])
     _check(geotransolver(), inputs, specs, params="plain")
 
 
 @pytest.mark.multirank(4, timeout=120)
-def test_geotransolver_gale_on_4_ranks(domain_mesh):
-    inputs, specs = _geo_inputs(domain_mesh, [4, 4, 4, 4], [3, 3, 3, 3])
+@pytest.mark.parametrize(("points", "geometry"), [([4, 4, 4, 4], [3, 3, 3, 3]), ([6, 2, 0, 8], [5, 1, 4, 3])],
+                         ids=["even", "uneven"])
+def test_geotransolver_gale_on_4_ranks(domain_mesh, points, geometry):
+    inputs, specs = _geo_inputs(domain_mesh, points, geometry)
     _check(geotransolver(), inputs, specs, params="plain")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_ONLY_SDPA)
 @pytest.mark.multirank(2, timeout=120)
 def test_geotransolver_gale_fa_on_2_ranks(domain_mesh):
     inputs, specs = _geo_inputs(domain_mesh, [8, 8], [7, 7])
@@ -201,11 +198,16 @@ def test_geotransolver_gale_fa_on_2_ranks(domain_mesh):
 
 
 # -- FLARE --------------------------------------------------------------------------------------
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_ONLY_SDPA)
 @pytest.mark.multirank(2, timeout=120)
 @pytest.mark.parametrize("split", [[8, 8], [9, 7]], ids=["even", "uneven"])
 def test_flare_on_2_ranks(domain_mesh, split):
     _check(flare(), _points(), ShardSpec(domain_mesh, [Shard(1)], split), params="plain")
+
+
+@pytest.mark.multirank(4, timeout=120)
+@pytest.mark.parametrize("params", ["plain", "distribute"])
+def test_flare_on_4_ranks_uneven(domain_mesh, params):
+    _check(flare(), _points(), ShardSpec(domain_mesh, [Shard(1)], [5, 0, 7, 4]), params=params)
 
 
 # -- DiT ----------------------------------------------------------------------------------------
@@ -252,3 +254,99 @@ def test_fallback_gradient_of_a_partial_input(domain_mesh):
         return w / (w.sum(1, keepdim=True) + 1.0)  # the sum is Partial(sum); the division takes the fallback
 
     check_conformance(normalize_over_points, [x], ShardSpec(domain_mesh, [Shard(1)], [9, 7]), **TOLERANCE)
+
+
+# -- a ViT-style encoder (timm) on a sharded image ------------------------------------------------
+def _vit(**overrides) -> torch.nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    config = dict(img_size=16, patch_size=4, in_chans=2, num_classes=3, embed_dim=16, depth=2, num_heads=2,
+                  mlp_ratio=2.0, class_token=False, global_pool="avg")
+    config.update(overrides)
+    return VisionTransformer(**config)
+
+
+@pytest.mark.multirank(2, timeout=120)
+@pytest.mark.parametrize("split", [[8, 8], [12, 4], [16, 0]], ids=["even", "uneven", "empty"])
+def test_vit_encoder_on_2_ranks(domain_mesh, split):
+    # 16x16 image, 4x4 patches; H split on patch rows: the patch embedding (a strided conv) keeps the
+    # split, tokens (flatten + transpose) are sharded on the sequence, self-attention is the ring,
+    # the average pool sums over the ranks; the class logits come back Replicate.
+    report = check_conformance(_vit(), [torch.randn(1, 2, 16, 16)], ShardSpec(domain_mesh, [Shard(2)], split),
+                               expected_placements=[Replicate()], **TOLERANCE)
+    assert len([k for k in report.max_abs_errors if k.startswith("gradient of parameter")]) == len(
+        list(_vit().parameters()))
+
+
+@pytest.mark.multirank(4, timeout=120)
+def test_vit_encoder_on_4_ranks(domain_mesh):
+    check_conformance(_vit(), [torch.randn(1, 2, 16, 16)], ShardSpec(domain_mesh, [Shard(2)], [4, 8, 0, 4]),
+                      expected_placements=[Replicate()], **TOLERANCE)
+
+
+# -- a causal sequence model ------------------------------------------------------------------------
+class CausalLM(torch.nn.Module):
+    """A one-block decoder: token + learned position embedding, causal self-attention, MLP, LM head."""
+
+    def __init__(self, vocab: int = 11, width: int = 16, heads: int = 2, length: int = 32) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Parameter(0.1 * torch.randn(1, length, width))
+        self.norm = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width),
+                                       torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.position[:, : ids.shape[1]]
+        batch, length, width = x.shape
+        q, k, v = (t.reshape(batch, length, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm(x)).chunk(3, dim=-1))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return self.head(x + self.mlp(x))
+
+
+@pytest.mark.multirank(2, timeout=120)
+@pytest.mark.parametrize("split", [[16, 16], [21, 11]], ids=["even", "uneven"])
+def test_causal_lm_on_2_ranks(domain_mesh, split):
+    ids = torch.randint(0, 11, (2, 32), generator=torch.Generator().manual_seed(0))
+    check_conformance(CausalLM(), [ids], ShardSpec(domain_mesh, [Shard(1)], split), **TOLERANCE)
+
+
+@pytest.mark.multirank(4, timeout=180)
+def test_causal_lm_trains_like_single_process_on_a_2x2_layout(rank):
+    # ddp 2 x domain 2, DDP, SGD, next-token cross-entropy: losses, every first-step gradient and
+    # the final parameters against one process on the global batch. (Not Adam: the key bias has a
+    # zero gradient in theory, and Adam turns its rounding noise into full-size steps on both sides.)
+    from physicsnemo_shardext.parallel import build_layout
+    from physicsnemo_shardext.verification import verify_training
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 11, (2, 32), generator=g), torch.randint(0, 11, (2, 32), generator=g))
+               for _ in range(2)]
+
+    def next_token_loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets)
+
+    report = verify_training(CausalLM, batches, build_layout(ddp=2), shard_dim=1, sizes=[19, 13],
+                             loss_fn=next_token_loss, wrapper="ddp", optimizer="sgd", lr=0.1, steps=3, rtol=1e-4)
+    assert report.ok, report.format()
+    assert len(report.gradients) == len(list(CausalLM().parameters()))
+
+
+@pytest.mark.multirank(4, timeout=180)
+def test_vit_encoder_on_a_2x2_mesh(spatial_mesh):
+    # H over mesh dim 0 (patch rows 8/8), W over mesh dim 1 (12/4): flattening the patch grid into
+    # tokens moves W's shard onto the token dim with one all-to-all; everything after is 1-D.
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [8, 8], 1: [12, 4]})
+    check_conformance(_vit(), [torch.randn(1, 2, 16, 16)], spec, expected_placements=None, **TOLERANCE)
+
+
+@pytest.mark.multirank(4, timeout=180)
+def test_dit_timm_on_4_ranks(domain_mesh):
+    specs = [ShardSpec(domain_mesh, [Shard(2)], [2, 4, 0, 2]), ShardSpec(domain_mesh, [Replicate()])]
+    check_conformance(_dit("timm"), [torch.randn(1, 2, 8, 8), torch.rand(1)], specs, **TOLERANCE)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from physicsnemo.nn.module.spectral_layers import SpectralConv2d, SpectralConv3d
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
@@ -98,10 +98,17 @@ def test_einsum_with_ellipsis_over_sharded_dims(domain_mesh):
 
 
 @pytest.mark.multirank(2)
-def test_einsum_refuses_to_contract_a_sharded_index(domain_mesh):
+@pytest.mark.parametrize("split", [[4, 2], [6, 0]], ids=["uneven", "empty"])
+def test_einsum_contracting_a_sharded_index_sums_over_the_ranks(domain_mesh, split):
+    # Each rank holds the sum over its own rows; one all-reduce makes the total, Replicate.
+    report = check_conformance(lambda x: torch.einsum("bxy->bx", x), [torch.randn(2, 3, 6)],
+                               ShardSpec(domain_mesh, [Shard(2)], split), expected_placements=[Replicate()])
+    assert report.comms.forward.counts == {"c10d.allreduce_": 1}
+
+
+@pytest.mark.multirank(2)
+def test_einsum_with_an_index_sharded_differently_in_two_operands_is_refused(domain_mesh):
     xs = shard_tensor(torch.randn(2, 3, 6), domain_mesh, [Shard(2)], [4, 2])
-    with pytest.raises(MissingShardPatch, match=r"contracts sharded index.*'y'"):
-        torch.einsum("bxy->bx", xs)
     other = shard_tensor(torch.randn(2, 3, 6), domain_mesh, [Shard(2)], [3, 3])
     with pytest.raises(MissingShardPatch, match="sharded differently"):
         torch.einsum("bxy,bxy->bxy", xs, other)
@@ -127,9 +134,6 @@ def test_einsum_with_a_partial_operand_is_delegated(domain_mesh, rank, name):
 # Einsums the local-block path cannot run, on torch.chunk splits (DTensor's own layout), where the
 # DTensor fallback is right: (equation, [(shape, placement or None for a Partial(sum) operand, split)]).
 CHUNK_LAYOUT_EINSUMS = {
-    "contracted-sharded-index": ("bi,bi->b", [((4, 6), Shard(1), [3, 3]), ((4, 6), Shard(1), [3, 3])]),
-    "two-indices-on-one-mesh-dim": ("bi,ci->bci", [((4, 6), Shard(0), [2, 2]), ((6, 6), Shard(0), [3, 3])]),
-    "operands-sharded-on-different-indices": ("bi,bi->bi", [((4, 6), Shard(1), [3, 3]), ((4, 6), Shard(0), [2, 2])]),
     "partial-next-to-sharded": ("bi,bi->bi", [((4, 5), None, None), ((4, 5), Shard(0), [2, 2])]),
     "partial-next-to-sharded-weight": ("bi,io->bo", [((4, 5), None, None), ((5, 3), Shard(0), [3, 2])]),
 }
@@ -199,14 +203,21 @@ def test_a_sharded_plain_dtensor_operand_is_delegated_on_chunk_layouts(domain_me
 
 
 @pytest.mark.multirank(2)
-def test_two_indices_on_one_mesh_dim_are_not_computed_blockwise(domain_mesh):
-    # "bi,ci->bci" with both operands sharded over the one mesh dim: the local blocks give only the
-    # diagonal blocks of the outer product (the handler returned that, wrongly labelled, before). On
-    # other splits than torch.chunk's the fallback cannot run it either: refused.
-    xs = shard_tensor(torch.randn(4, 6), domain_mesh, [Shard(0)], [3, 1])
-    ys = shard_tensor(torch.randn(5, 6), domain_mesh, [Shard(0)], [2, 3])
-    with pytest.raises(MissingShardPatch, match=r"indices sharded over one mesh dim.*not torch.chunk's rows"):
-        torch.einsum("bi,ci->bci", xs, ys)
+@pytest.mark.parametrize("splits", [([3, 1], [2, 3]), ([2, 2], [3, 2])], ids=["uneven", "chunk"])
+def test_two_indices_on_one_mesh_dim_gather_the_second_operand(domain_mesh, splits):
+    # "bi,ci->bci" with both operands sharded over the one mesh dim: the local blocks alone would give
+    # only the diagonal blocks of the outer product. The output keeps b's split; y is gathered.
+    specs = [ShardSpec(domain_mesh, [Shard(0)], splits[0]), ShardSpec(domain_mesh, [Shard(0)], splits[1])]
+    report = check_conformance(lambda x, y: torch.einsum("bi,ci->bci", x, y), [torch.randn(4, 6), torch.randn(5, 6)],
+                               specs)
+    assert report.comms.forward.counts, "y must be gathered"
+
+
+@pytest.mark.multirank(2)
+def test_operands_sharded_on_different_indices_of_one_mesh_dim(domain_mesh):
+    # "bi,bi->bi", x split on i, y on b: y is gathered, the output keeps x's split of i.
+    specs = [ShardSpec(domain_mesh, [Shard(1)], [5, 1]), ShardSpec(domain_mesh, [Shard(0)], [1, 3])]
+    check_conformance(lambda x, y: torch.einsum("bi,bi->bi", x, y), [torch.randn(4, 6), torch.randn(4, 6)], specs)
 
 
 @pytest.mark.multirank(2, timeout=60)
@@ -475,3 +486,70 @@ def test_setitem_into_a_shard_dtensor_with_an_uneven_value_is_refused(domain_mes
     target = distribute_tensor(torch.zeros(4, 6), domain_mesh, [Shard(0)])
     with pytest.raises(MissingShardPatch, match="cannot write into a DTensor target.*hangs one rank"):
         target[:, 1:3] = shard_tensor(torch.randn(4, 2), domain_mesh, [Shard(0)], [3, 1])
+
+
+# -- matmul / bmm -------------------------------------------------------------------------
+def _slice_tokens(w, x):  # Transolver's physics attention: points -> slice tokens (contracts the points)
+    return torch.matmul(w.transpose(-1, -2), x)
+
+
+def _hand_written_attention(q, k, v):
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # q's rows against every key: k gathered
+    return torch.softmax(scores, dim=-1) @ v  # the probabilities keep q's rows; v gathered
+
+
+MATMULS = {
+    # name: (fn, shapes, sharded dim per operand (None: plain), expected output placement)
+    "contract-points": (_slice_tokens, [(1, 2, 9, 3), (1, 2, 9, 4)], [2, 2], Replicate()),
+    "rows-times-plain-weight": (torch.matmul, [(1, 9, 4), (4, 3)], [1, None], Shard(1)),
+    "plain-weight-times-columns": (torch.matmul, [(3, 9), (2, 9, 5)], [None, 1], Replicate()),
+    "bmm-contract": (lambda a, b: torch.bmm(a.transpose(1, 2), b), [(2, 9, 3), (2, 9, 4)], [1, 1], Replicate()),
+    "batch-sharded-bmm": (torch.bmm, [(9, 3, 4), (9, 4, 2)], [0, 0], Shard(0)),
+    "vector-dot": (torch.matmul, [(9,), (9,)], [0, 0], Replicate()),
+    "hand-written-attention": (_hand_written_attention, [(1, 2, 9, 4)] * 3, [2, 2, 2], Shard(2)),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(MATMULS))
+@pytest.mark.parametrize("split", [[5, 4], [9, 0]], ids=["uneven", "empty"])
+def test_matmul_matches_single_process(domain_mesh, name, split):
+    fn, shapes, dims, placement = MATMULS[name]
+    inputs = [torch.randn(*shape) for shape in shapes]
+    specs = [None if d is None else ShardSpec(domain_mesh, [Shard(d)], split) for d in dims]
+    check_conformance(fn, inputs, specs, expected_placements=[placement])
+
+
+@pytest.mark.multirank(2)
+def test_matmul_operator_forms(domain_mesh):
+    w, x = torch.randn(9, 3), torch.randn(9, 4)
+    spec = ShardSpec(domain_mesh, [Shard(0)], [6, 3])
+    check_conformance(lambda a, b: a.transpose(0, 1) @ b, [w, x], spec, expected_placements=[Replicate()])
+    check_conformance(lambda a, b: a.transpose(0, 1).matmul(b), [w, x], spec, expected_placements=[Replicate()])
+    # plain @ ShardTensor goes through __rmatmul__ on the ShardTensor side
+    check_conformance(lambda b: torch.ones(2, 9) @ b, [x], spec, expected_placements=[Replicate()])
+
+
+@pytest.mark.multirank(4)
+def test_slice_tokens_on_four_ranks_and_a_2x2_mesh(domain_mesh, spatial_mesh):
+    w, x = torch.randn(2, 2, 13, 3), torch.randn(2, 2, 13, 4)
+    check_conformance(_slice_tokens, [w, x], ShardSpec(domain_mesh, [Shard(2)], [0, 6, 4, 3]),
+                      expected_placements=[Replicate()])
+    # batch over mesh dim 0, points over mesh dim 1: the sum runs over mesh dim 1 only
+    spec = ShardSpec(spatial_mesh, [Shard(0), Shard(2)], {0: [1, 1], 1: [8, 5]})
+    check_conformance(_slice_tokens, [w, x], spec, expected_placements=[Shard(0), Replicate()])
+    check_conformance(_hand_written_attention, [torch.randn(2, 2, 13, 4) for _ in range(3)], spec)
+
+
+@pytest.mark.multirank(2)
+def test_matmul_broadcasting_a_batch_dim_keeps_the_fallback(domain_mesh):
+    # (2, 8, 4) @ (1, 4, 3): a size-1 batch dim broadcast is no einsum; the fallback runs it, as before.
+    a, b = torch.randn(2, 8, 4), torch.randn(1, 4, 3)
+    outs = []
+    for disabled in (False, True):
+        with physicsnemo_shardext.disabled(plugins=["indexing_einsum"] if disabled else []):
+            out = torch.matmul(shard_tensor(a, domain_mesh, [Shard(1)], [4, 4]), b)
+        torch.testing.assert_close(out.full_tensor(), a @ b)
+        outs.append((tuple(out.placements), out.to_local()))
+    assert outs[0][0] == outs[1][0]
+    assert torch.equal(outs[0][1], outs[1][1])

@@ -247,15 +247,22 @@ def test_stack_of_different_shapes_gets_torchs_error(domain_mesh):
 
 
 @pytest.mark.multirank(2)
-def test_flatten_scales_the_rows_and_refuses_interleaving(domain_mesh):
+def test_flatten_scales_the_rows_moves_the_shard_and_refuses_interleaving_samples(domain_mesh):
     x = shard_tensor(torch.randn(1, 2, 7, 3), domain_mesh, [Shard(2)], [5, 2])
     y = flatten_local(torch.Tensor.flatten, (), (x, 2), {})
     assert y._spec.sharding_shapes()[0] == (torch.Size([1, 2, 15]), torch.Size([1, 2, 6]))
     torch.testing.assert_close(y.full_tensor(), x.full_tensor().flatten(2))
-    with pytest.raises(MissingShardPatch, match=r"merges sharded dim 2 with dims \[1\]"):
-        flatten_local(torch.flatten, (), (x, 1), {})  # rows would interleave with the unsharded dim 1
-    with pytest.raises(MissingShardPatch, match="not multiples of 7"):
-        unflatten_local(torch.unflatten, (), (y, 2, (3, 7)), {})
+    # Channels (2) in front of the sharded H: the shard moves to them first (one all-to-all), 1/1 channels.
+    z = flatten_local(torch.flatten, (), (x, 1), {})
+    assert z._spec.sharding_shapes()[0] == (torch.Size([1, 21]), torch.Size([1, 21]))
+    torch.testing.assert_close(z.full_tensor(), x.full_tensor().flatten(1))
+    samples = shard_tensor(torch.randn(2, 7, 3), domain_mesh, [Shard(1)], [5, 2])
+    with pytest.raises(MissingShardPatch, match=r"merges sharded dim 1 with dims \[0\] .*dim 0 holds 2 samples"):
+        flatten_local(torch.flatten, (), (samples, 0), {})  # rows of the two samples would interleave
+    # Rows 15/6 are not multiples of 7: re-split to 14/7 first (one row of 2 channels moves), rows 2/1.
+    w = unflatten_local(torch.unflatten, (), (y, 2, (3, 7)), {})
+    assert w._spec.sharding_shapes()[0] == (torch.Size([1, 2, 2, 7]), torch.Size([1, 2, 1, 7]))
+    torch.testing.assert_close(w.full_tensor(), x.full_tensor().flatten(2).unflatten(2, (3, 7)))
 
 
 @pytest.mark.multirank(2)
@@ -380,3 +387,328 @@ def test_reshape_of_a_partial_input_is_delegated(domain_mesh, rank):
     full = torch.randn(2, 3, 4)
     out = _partial(full, domain_mesh, rank).reshape(6, 4)
     torch.testing.assert_close(out.full_tensor(), full.reshape(6, 4))
+
+
+# -- pixels to tokens and back, windows (issue 12) ------------------------------------------------
+# Analytic communication: a rank hands an all-to-all only the rows it stops holding. Moving a shard
+# from W to H (flatten with W sharded) sends the local block minus the H rows it keeps; re-splitting
+# a dim to aligned boundaries (tokens -> grid, image rows -> windows) sends the rows between the old
+# and the new boundary (the nearest multiple, ties down); a roll sends the rows that land elsewhere.
+C, H, W = 3, 8, 6
+
+
+def _sent_rows(old, new, coord: int) -> int:
+    """Rows ``coord`` holds under the split ``old`` and no longer under ``new``."""
+    start_old, start_new = sum(old[:coord]), sum(new[:coord])
+    kept = max(0, min(start_old + old[coord], start_new + new[coord]) - max(start_old, start_new))
+    return old[coord] - kept
+
+
+def _rolled_rows(sizes, shift: int, coord: int) -> int:
+    """Rows of ``coord`` that ``torch.roll(shift)`` of a dim split ``sizes`` sends to another rank."""
+    owner = [c for c, n in enumerate(sizes) for _ in range(n)]
+    start = sum(sizes[:coord])
+    return sum(owner[(j + shift) % len(owner)] != coord for j in range(start, start + sizes[coord]))
+
+
+def _bytes(stats) -> int:
+    return sum(n for op, n in stats.bytes.items() if "alltoall" in op)
+
+
+def _partition(x: torch.Tensor, ws) -> torch.Tensor:
+    """Swin's window_partition: (B, H, W, C) -> (B * H/wh * W/ww, wh, ww, C); ``ws`` is ``wh = ww`` or ``(wh, ww)``."""
+    (wh, ww), (b, h, w, c) = (ws if isinstance(ws, tuple) else (ws, ws)), x.shape
+    return x.view(b, h // wh, wh, w // ww, ww, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, wh, ww, c)
+
+
+def _reverse(windows: torch.Tensor, ws, b: int, h: int, w: int) -> torch.Tensor:
+    """Swin's window_reverse: (B * H/wh * W/ww, wh, ww, C) -> (B, H, W, C)."""
+    (wh, ww), c = (ws if isinstance(ws, tuple) else (ws, ws)), windows.shape[-1]
+    return windows.view(b, h // wh, w // ww, wh, ww, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+
+
+TOKENS = {
+    # name: (fn, channels_last, output sharded on tokens (True) or on H (False))
+    "flatten_transpose": (lambda x: x.flatten(2).transpose(1, 2) * 1.5, False, True),
+    "roundtrip_reshape": (lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).reshape(x.shape), False,
+                          False),
+    "roundtrip_view": (lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).view(*x.shape), False, False),
+    "roundtrip_unflatten": (lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).unflatten(2, (H, W)), False,
+                            False),
+    "channels_last_reshape": (lambda x: x.reshape(x.shape[0], H * W, C) * 1.5, True, True),
+    "channels_last_flatten_roundtrip": (lambda x: (x.flatten(1, 2) * 1.5).view(x.shape), True, False),
+}
+SPLITS = {"H-uneven": ("H", [5, 3]), "H-empty-shard": ("H", [0, 8]), "W-uneven": ("W", [5, 1]),
+          "W-empty-shard": ("W", [0, 6])}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("name", sorted(TOKENS))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_pixels_to_tokens_and_back(domain_mesh, rank, name, split, batch):
+    # With H sharded the tokens are a local flatten; with W sharded the shard moves to H first (one
+    # all-to-all of the local block, never a gather), H split in proportion to W's split so that each
+    # rank keeps its share: W 5/1 -> H 7/1 (40/6 and 8/6 rounded, largest remainder first), W 0/6 ->
+    # H 0/8 (nothing moves). Back to the grid is local.
+    fn, channels_last, tokens_out = TOKENS[name]
+    axis, sizes = SPLITS[split]
+    h_dim, w_dim = (1, 2) if channels_last else (2, 3)
+    x = torch.randn(batch, H, W, C) if channels_last else torch.randn(batch, C, H, W)
+    out_dim = (1 if channels_last else 2) if not tokens_out else 1
+    report = check_conformance(fn, [x], ShardSpec(domain_mesh, [Shard(h_dim if axis == "H" else w_dim)], sizes),
+                               expected_placements=[Shard(out_dim)])
+    forward, backward = report.comms.forward, report.comms.backward
+    if axis == "H":
+        assert forward.total_calls == 0 and backward.total_calls == 0
+        return
+    h_rows = {(5, 1): (7, 1), (0, 6): (0, 8)}[tuple(sizes)]
+    assert _bytes(forward) == batch * C * sizes[rank] * (H - h_rows[rank]) * 4
+    assert _bytes(backward) == batch * C * h_rows[rank] * (W - sizes[rank]) * 4
+    moved = sizes[0] * h_rows[1] + sizes[1] * h_rows[0]  # elements crossing ranks, per channel and sample
+    assert forward.counts == backward.counts == ({"c10d.alltoall_base_": 1} if moved else {})  # never a gather
+    tokens = TOKENS["flatten_transpose"][0](shard_tensor(torch.randn(batch, C, H, W), domain_mesh, [Shard(3)], sizes))
+    assert [s[1] for s in tokens._spec.sharding_shapes()[0]] == [h * W for h in h_rows]
+
+
+TOKENS_BACK = {
+    # tokens (1, H*W, C) -> grid; name: (fn, output dim of H)
+    "transpose_reshape": (lambda t: t.transpose(1, 2).reshape(1, C, H, W) * 1.5, 2),
+    "transpose_view": (lambda t: t.transpose(1, 2).view(1, C, H, W) * 1.5, 2),
+    "transpose_unflatten": (lambda t: t.transpose(1, 2).unflatten(2, (H, W)) * 1.5, 2),
+    "channels_last_reshape": (lambda t: t.reshape(1, H, W, C) * 1.5, 1),
+    "channels_last_torch_reshape": (lambda t: torch.reshape(t, (1, H, -1, C)) * 1.5, 1),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("sizes", [[25, 23], [28, 20], [3, 45], [30, 18], [48, 0]],
+                         ids=["one-token-moves", "two-tokens-move", "all-to-one", "aligned", "empty-shard"])
+@pytest.mark.parametrize("name", sorted(TOKENS_BACK))
+def test_tokens_back_to_a_grid_move_only_the_straddling_tokens(domain_mesh, rank, name, sizes):
+    from physicsnemo_shardext.primitives import aligned_split_sizes
+
+    fn, h_dim = TOKENS_BACK[name]
+    aligned = aligned_split_sizes(sizes, W)
+    report = check_conformance(fn, [torch.randn(1, H * W, C)], ShardSpec(domain_mesh, [Shard(1)], sizes),
+                               expected_placements=[Shard(h_dim)])
+    token_bytes = C * 4
+    assert _bytes(report.comms.forward) == _sent_rows(sizes, aligned, rank) * token_bytes
+    assert _bytes(report.comms.backward) == _sent_rows(aligned, sizes, rank) * token_bytes
+    if aligned == tuple(sizes):
+        assert report.comms.forward.total_calls == 0
+    out = fn(shard_tensor(torch.randn(1, H * W, C), domain_mesh, [Shard(1)], sizes))
+    assert [s[h_dim] for s in out._spec.sharding_shapes()[0]] == [n // W for n in aligned]
+
+
+@pytest.mark.multirank(4)
+def test_tokens_back_to_a_grid_on_four_ranks_with_an_empty_shard(domain_mesh, rank):
+    # Boundaries 10, 10, 35 move to 12, 12, 36: rows (12, 0, 24, 12) of tokens, H split 2/0/4/2.
+    sizes, aligned = [10, 0, 25, 13], (12, 0, 24, 12)
+    report = check_conformance(TOKENS_BACK["transpose_reshape"][0], [torch.randn(1, H * W, C)],
+                               ShardSpec(domain_mesh, [Shard(1)], sizes), expected_placements=[Shard(2)])
+    assert _bytes(report.comms.forward) == _sent_rows(sizes, aligned, rank) * C * 4
+
+
+@pytest.mark.multirank(4)
+def test_vit_tokens_of_an_h_and_w_sharded_grid_and_back(spatial_mesh):
+    # Two sharded dims merged: W is gathered over its mesh dim (one all-gather), the tokens are split
+    # over the H mesh dim only; back to the grid without communication (H rows per rank are whole).
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 3], 1: [1, 5]})
+    report = check_conformance(TOKENS["roundtrip_reshape"][0], [torch.randn(1, C, H, W)], spec,
+                               expected_placements=[Shard(2), Replicate()])
+    assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) == 1
+    assert _bytes(report.comms.forward) == 0
+
+
+def _shifted(fn, shift: int):
+    return lambda x: torch.roll(fn(torch.roll(x, (-shift, -shift), (1, 2))), (shift, shift), (1, 2))
+
+
+SWIN = {
+    "partition": lambda x, ws: _partition(x, ws) * 1.5,
+    "partition_reverse": lambda x, ws: _reverse(_partition(x, ws) * 1.5, ws, 1, H, W),
+    "partition_reverse_shifted": lambda x, ws: _shifted(lambda y: _reverse(_partition(y, ws) * 1.5, ws, 1, H, W),
+                                                        1)(x),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("sizes,ws", [([4, 4], 2), ([6, 2], 2), ([5, 3], 2), ([7, 1], (4, 2)), ([8, 0], (4, 2)),
+                                     ([3, 5], (4, 3))],
+                         ids=["aligned", "aligned-uneven", "one-row-moves", "to-empty", "empty-shard", "tie-down"])
+@pytest.mark.parametrize("name", sorted(SWIN))
+def test_window_partition_and_reverse_with_h_sharded(domain_mesh, rank, name, sizes, ws):
+    # Windows straddling a rank boundary: the image rows are re-split to multiples of ws first
+    # (only the rows between the old and the nearest aligned boundary travel); aligned: no communication.
+    from physicsnemo_shardext.primitives import aligned_split_sizes
+
+    wh, ww = ws if isinstance(ws, tuple) else (ws, ws)
+    aligned = aligned_split_sizes(sizes, wh)
+    report = check_conformance(lambda x: SWIN[name](x, ws), [torch.randn(1, H, W, C)],
+                               ShardSpec(domain_mesh, [Shard(1)], sizes),
+                               expected_placements=[Shard(0) if name == "partition" else Shard(1)])
+    rows = _sent_rows(sizes, aligned, rank)
+    if name == "partition_reverse_shifted":  # roll, re-split, roll back (on the aligned split)
+        rows += _rolled_rows(sizes, -1, rank) + _rolled_rows(list(aligned), 1, rank)
+    assert _bytes(report.comms.forward) == rows * W * C * 4
+    if name != "partition_reverse_shifted" and aligned == tuple(sizes):
+        assert report.comms.forward.total_calls == 0 and report.comms.backward.total_calls == 0
+    windows = _partition(shard_tensor(torch.randn(1, H, W, C), domain_mesh, [Shard(1)], sizes), ws)
+    assert [s[0] for s in windows._spec.sharding_shapes()[0]] == [n // wh * (W // ww) for n in aligned]
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(SWIN))
+def test_window_partition_and_reverse_with_w_sharded(domain_mesh, rank, name):
+    # W split 5/1, windows of 2: the columns are re-split 4/2 (one column moves), then the window
+    # dim (nH, nW) merges with nW sharded: the shard moves to nH (one all-to-all, 3/1 window rows).
+    # The windows come back sharded on H.
+    report = check_conformance(lambda x: SWIN[name](x, 2), [torch.randn(1, H, W, C)],
+                               ShardSpec(domain_mesh, [Shard(2)], [5, 1]),
+                               expected_placements=[Shard(0) if name == "partition" else Shard(1)])
+    if name != "partition_reverse_shifted":
+        column = _sent_rows([5, 1], (4, 2), rank) * H * C
+        nw, nh = (2, 1)[rank], (3, 1)[rank]                          # nH = 4 split like nW's 2/1 shares
+        windows = (H // 2 - nh) * nw * 2 * 2 * C                     # (nH - nh) * nw * ws * ws * C
+        assert _bytes(report.comms.forward) == (column + windows) * 4
+        assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("name", sorted(SWIN))
+def test_window_partition_and_reverse_on_a_2d_mesh(spatial_mesh, name):
+    # H (5/3) and W (1/5) re-split to multiples of 2 on their mesh dims, then the window dim merges
+    # nH and nW: nW is gathered over the W mesh dim (one all-gather), windows split over the H mesh dim.
+    spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [5, 3], 1: [1, 5]})
+    report = check_conformance(lambda x: SWIN[name](x, 2), [torch.randn(1, H, W, C)], spec,
+                               expected_placements=[Shard(0) if name == "partition" else Shard(1), Replicate()])
+    assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) == 1
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("shape", [(2, H, W, C), (3, H, W, C)])
+def test_window_partition_of_several_samples_is_refused_not_wrong(domain_mesh, shape):
+    # (B, nH, nW, ws, ws, C) -> (B * nH * nW, ...) with nH sharded: each rank's windows of sample 0
+    # and sample 1 would interleave in the window dim; no Shard describes that.
+    x = shard_tensor(torch.randn(*shape), domain_mesh, [Shard(1)], [4, 4])
+    with pytest.raises(MissingShardPatch, match=rf"merges sharded dim 1 with dims \[0\] .*dim 0 holds {shape[0]} "
+                                                r"samples.*Swin's window partition with B > 1"):
+        _partition(x, 2)
+
+
+class _SwinBlock(torch.nn.Module):
+    """A hand-written Swin block: norm, shifted window attention (relative bias, shift mask), reverse, MLP."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, ws: int = 2, shift: int = 1, resolution=(H, W)) -> None:
+        super().__init__()
+        self.heads, self.ws, self.shift = heads, ws, shift
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(heads, ws * ws, ws * ws))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        regions = torch.zeros(1, *resolution, 1)
+        cuts = (slice(0, -ws), slice(-ws, -shift), slice(-shift, None))
+        for n, (rows, cols) in enumerate((r, c) for r in cuts for c in cuts):
+            regions[:, rows, cols, :] = n
+        ids = _partition(regions, ws).reshape(-1, ws * ws)
+        mask = ids.unsqueeze(1) - ids.unsqueeze(2)
+        self.mask = mask.masked_fill(mask != 0, -100.0)  # a plain tensor, not a buffer: replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        y = torch.roll(self.norm1(x), (-self.shift, -self.shift), (1, 2))
+        windows = _partition(y, self.ws).reshape(-1, self.ws * self.ws, c)
+        n, tokens = windows.shape[0], windows.shape[1]
+        q, k, v = self.qkv(windows).reshape(n, tokens, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q * (c // self.heads) ** -0.5) @ k.transpose(-2, -1) + self.bias
+        nw = self.mask.shape[0]
+        attn = (attn.view(-1, nw, self.heads, tokens, tokens) + self.mask.unsqueeze(1).unsqueeze(0))
+        out = (attn.view(-1, self.heads, tokens, tokens).softmax(-1) @ v).transpose(1, 2).reshape(n, tokens, c)
+        y = _reverse(self.proj(out).view(-1, self.ws, self.ws, c), self.ws, b, h, w)
+        x = x + torch.roll(y, (self.shift, self.shift), (1, 2))
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.multirank(2, timeout=120)
+@pytest.mark.parametrize("split", [[5, 3], [7, 1], [8, 0]], ids=["uneven", "to-empty", "empty-shard"])
+def test_hand_written_swin_block_on_2_ranks(domain_mesh, split):
+    torch.manual_seed(0)
+    check_conformance(_SwinBlock(), [torch.randn(1, H, W, 8)], ShardSpec(domain_mesh, [Shard(1)], split))
+
+
+@pytest.mark.multirank(2, timeout=120)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-sdpa", "matmul-softmax"])
+@pytest.mark.parametrize("shift", [0, 2], ids=["plain", "shifted"])
+@pytest.mark.parametrize("split", [[5, 3], [8, 0]], ids=["uneven", "empty-shard"])
+def test_timm_swin_block_on_2_ranks(domain_mesh, shift, split, fused):
+    swin = pytest.importorskip("timm.models.swin_transformer")
+    torch.manual_seed(0)
+    block = swin.SwinTransformerBlock(dim=8, input_resolution=(8, 8), num_heads=2, window_size=4, shift_size=shift)
+    # fused: scaled_dot_product_attention with the window (batch) dim sharded, local in the attention
+    # family; otherwise the explicit path (matmul + softmax on the local windows).
+    block.attn.fused_attn = fused
+    check_conformance(block, [torch.randn(1, 8, 8, 8)], ShardSpec(domain_mesh, [Shard(1)], split))
+
+
+@pytest.mark.multirank(2)
+def test_reshape_keeping_the_sharded_dims_still_goes_to_the_builtin(domain_mesh, rank):
+    # The override rule: a reshape that leaves every sharded dim as it is goes to PhysicsNeMo's built-in.
+    x = shard_tensor(torch.randn(1, 6, 5, 4), domain_mesh, [Shard(2)], [4, 1])
+    out = x.reshape(2, 3, 5, 2, 2)
+    with physicsnemo_shardext.disabled(plugins=["layout_ops"]):
+        builtin = x.reshape(2, 3, 5, 2, 2)
+    assert tuple(out._spec.placements) == tuple(builtin._spec.placements) == (Shard(2),)
+    torch.testing.assert_close(out.to_local(), builtin.to_local())
+    torch.testing.assert_close(out.full_tensor(), x.full_tensor().reshape(2, 3, 5, 2, 2))
+
+
+# -- split / chunk / tensor_split along unsharded dims ------------------------------------
+SPLITS = {
+    "chunk-qkv": lambda x: x.chunk(3, dim=-1),
+    "torch.chunk": lambda x: torch.chunk(x, 2, 0),
+    "split-sections": lambda x: x.split([1, 4, 1], dim=2),
+    "torch.split": lambda x: torch.split(x, 4, dim=-1),
+    "tensor_split": lambda x: torch.tensor_split(x, [2], dim=2),
+    "chunk-batch": lambda x: x.chunk(2, dim=0),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(SPLITS))
+@pytest.mark.parametrize("split", [[7, 2], [9, 0]], ids=["uneven", "empty"])
+def test_split_along_an_unsharded_dim_keeps_the_shards(domain_mesh, name, split):
+    # (2, 9, 6) sharded on dim 1: every piece keeps the 7/2 split (the fallback re-cut them evenly).
+    fn = SPLITS[name]
+    n_out = len(fn(torch.zeros(2, 9, 6)))
+    report = check_conformance(fn, [torch.randn(2, 9, 6)], ShardSpec(domain_mesh, [Shard(1)], split),
+                               expected_placements=[[Shard(1)]] * n_out)
+    assert not report.comms.forward.counts
+
+
+@pytest.mark.multirank(2)
+def test_split_along_the_sharded_dim_keeps_the_fallback(domain_mesh):
+    x = torch.randn(2, 8, 3)
+    outs = []
+    for disabled in (False, True):
+        with physicsnemo_shardext.disabled(plugins=["layout_ops"] if disabled else []):
+            pieces = shard_tensor(x, domain_mesh, [Shard(1)], [4, 4]).chunk(2, dim=1)
+        outs.append([(tuple(p.placements), p.to_local()) for p in pieces])
+        for piece, ref in zip(pieces, x.chunk(2, dim=1)):
+            torch.testing.assert_close(piece.full_tensor(), ref)
+    for (pa, la), (pb, lb) in zip(*outs):
+        assert pa == pb and torch.equal(la, lb)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("factory", ["zeros_like", "ones_like", "empty_like", "full_like"])
+def test_like_factories_keep_an_uneven_split_with_any_dtype(domain_mesh, factory):
+    # nn.MultiheadAttention: torch.zeros_like(bool_mask, dtype=float) on an uneven split
+    mask = torch.rand(2, 9, generator=torch.Generator().manual_seed(0)) > 0.5
+    sharded = shard_tensor(mask, domain_mesh, [Shard(1)], [7, 2])
+    args = (2.5,) if factory == "full_like" else ()
+    out = getattr(torch, factory)(sharded, *args, dtype=torch.float32)
+    assert out.placements == (Shard(1),) and out.dtype == torch.float32
+    assert out.to_local().shape == sharded.to_local().shape
+    if factory != "empty_like":
+        torch.testing.assert_close(out.full_tensor(), getattr(torch, factory)(mask, *args, dtype=torch.float32))

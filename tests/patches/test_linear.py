@@ -83,3 +83,30 @@ def test_refusals_name_the_configuration(domain_mesh, rank):
     sharded_weight = shard_tensor(torch.randn(4, 8), domain_mesh, [Shard(0)], [2, 2])
     with pytest.raises(MissingShardPatch, match=r"linear: weight: expected a replicated tensor, got placements"):
         F.linear(xs, sharded_weight)
+
+
+# -- F.embedding -----------------------------------------------------------------------------------
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("split", [[7, 3], [10, 0]], ids=["uneven", "empty"])
+@pytest.mark.parametrize("params", ["plain", "distribute"])
+def test_embedding_of_sharded_ids(domain_mesh, split, params):
+    # Token ids sharded on the sequence: a local lookup; the table's gradient summed over the ranks.
+    ids = torch.randint(0, 6, (2, 10), generator=torch.Generator().manual_seed(0))
+    report = check_conformance(torch.nn.Embedding(6, 4, padding_idx=0), [ids], ShardSpec(domain_mesh, [Shard(1)], split),
+                               params=params)
+    assert not report.comms.forward.counts  # no forward communication
+
+
+@pytest.mark.multirank(2)
+def test_embedding_options_that_need_global_ids_keep_the_fallback(domain_mesh):
+    ids = torch.randint(0, 6, (1, 8), generator=torch.Generator().manual_seed(0))
+    table = torch.randn(6, 4)
+    sharded = shard_tensor(ids, domain_mesh, [Shard(1)], [4, 4])
+    for options in ({"scale_grad_by_freq": True}, {"sparse": True}):
+        outs = []
+        for disabled in (False, True):
+            with physicsnemo_shardext.disabled(plugins=["linear"] if disabled else []):
+                outs.append(F.embedding(sharded, table, **options))
+        assert outs[0].placements == outs[1].placements
+        assert torch.equal(outs[0].to_local(), outs[1].to_local())
+        torch.testing.assert_close(outs[0].full_tensor(), F.embedding(ids, table))
