@@ -664,7 +664,7 @@ def test_reshape_keeping_the_sharded_dims_still_goes_to_the_builtin(domain_mesh,
 
 
 # -- split / chunk / tensor_split along unsharded dims ------------------------------------
-SPLITS = {
+SPLIT_OPS = {
     "chunk-qkv": lambda x: x.chunk(3, dim=-1),
     "torch.chunk": lambda x: torch.chunk(x, 2, 0),
     "split-sections": lambda x: x.split([1, 4, 1], dim=2),
@@ -675,11 +675,11 @@ SPLITS = {
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("name", sorted(SPLITS))
+@pytest.mark.parametrize("name", sorted(SPLIT_OPS))
 @pytest.mark.parametrize("split", [[7, 2], [9, 0]], ids=["uneven", "empty"])
 def test_split_along_an_unsharded_dim_keeps_the_shards(domain_mesh, name, split):
     # (2, 9, 6) sharded on dim 1: every piece keeps the 7/2 split (the fallback re-cut them evenly).
-    fn = SPLITS[name]
+    fn = SPLIT_OPS[name]
     n_out = len(fn(torch.zeros(2, 9, 6)))
     report = check_conformance(fn, [torch.randn(2, 9, 6)], ShardSpec(domain_mesh, [Shard(1)], split),
                                expected_placements=[[Shard(1)]] * n_out)
