@@ -577,6 +577,7 @@ def _identical_shard_inputs(
     first = tensors[0]
     placements = tuple(first._spec.placements)  # Partial inputs never get here: cat/stack delegate them
     rows = _row_counts(first)
+    tensors = [_rows_like(t, first) for t in tensors]
     for t in tensors[1:]:
         if t._spec.mesh != first._spec.mesh or tuple(t._spec.placements) != placements or _row_counts(t) != rows:
             raise MissingShardPatch(
@@ -585,6 +586,28 @@ def _identical_shard_inputs(
                 "chunks and fails on uneven shards)"
             )
     return tensors, dim
+
+
+def _rows_like(x: ShardTensor, like: ShardTensor) -> ShardTensor:
+    """``x`` re-split to ``like``'s rows when both have one mesh and placements but other row counts.
+
+    A UNet's skip connection meets its upsampled partner split differently once pooling
+    rounded an odd shard (10/6 -> 5/3 -> 3/1 -> 6/2 vs 5/3): only the rows that change owner
+    move, in one all-to-all per sharded dim (backward: the reverse). Anything else is
+    returned unchanged for the caller to judge.
+    """
+    if (x is like or x._spec.mesh != like._spec.mesh
+            or tuple(x._spec.placements) != tuple(like._spec.placements)):
+        return x
+    layouts, wanted = sharded_dims(x), _row_counts(like)
+    if set(layouts) != set(wanted) or all(layouts[d].sizes == wanted[d] for d in layouts):
+        return x
+    if any(layouts[d].total != sum(wanted[d]) for d in layouts):
+        return x  # different extents: not a re-split, the caller refuses
+    local = x.to_local()
+    for d, layout in layouts.items():
+        local = resplit_rows(local, layout, wanted[d])
+    return build_shard_tensor(local, x._spec.mesh, x._spec.placements, wanted)
 
 
 @eager_handler
@@ -626,7 +649,7 @@ def cat_local(
     placements = tuple(first._spec.placements)
     if any(isinstance(p, Shard) and p.dim % first.ndim == dim for p in placements):
         # The fallback gathers the sharded dim: Replicate output, right on uneven shards (checked on 2 ranks).
-        return delegate(func, types, args, kwargs)
+        return delegate(func, types, (tensors, dim), {})
     local = torch.cat([t.to_local() for t in tensors], dim=dim)
     return from_local_like(local, first)
 

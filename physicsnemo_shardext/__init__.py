@@ -22,8 +22,9 @@ Public API (stable names; everything else is internal and may change):
 
 Internal modules (their public classes are re-exported above): ``loader``,
 ``registry``, ``resolution``, ``shard_registries``, ``baseline``, ``requirements``,
-``inventory``, ``trace``, ``cli`` and the first-party ``patches``. The module map
-is in ``docs/concepts.md``.
+``inventory``, ``trace``, ``cli``, ``scaffold``, ``verify_command``, ``model_check``,
+``op_trace``, ``verify_html`` and the first-party ``patches``.
+The module map is in ``docs/concepts.md``.
 
 Examples:
     >>> import physicsnemo_shardext as shardext
@@ -37,6 +38,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from importlib import metadata
 from typing import Any
+
+from physicsnemo_shardext import cli as _cli  # imports only the standard library
+
+# `shardext new` and `shardext --help` need neither torch nor PhysicsNeMo: in that
+# process the command runs here, before either is imported, and the process ends.
+_cli.run_torch_free_command()
 
 from physicsnemo_shardext.baseline import builtin_handler, ensure_builtin_patches
 from physicsnemo_shardext.declarations import DispatchHandler, FunctionHandler, PatchDeclaration, PatchSet
@@ -147,8 +154,6 @@ def sandbox() -> Any:
 
 ensure_builtin_patches()
 if _settings.autoload:
-    from physicsnemo_shardext import cli as _cli  # imports only the standard library
-
     if _cli.started_as_cli():
         # The ``shardext`` command: plugins' prints go to stderr (``--json`` stays valid)
         # and what they raise is reported by the command instead of ending it.

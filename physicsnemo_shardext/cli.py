@@ -1,10 +1,12 @@
-"""The ``shardext`` command: see what is installed in ShardTensor and why.
+"""The ``shardext`` command: see what is installed in ShardTensor and why, and start new plugins.
 
 Usage:
 
 ```python
 shardext list [--json] [--plugin NAME]   # every handler with its provenance
 shardext doctor [--json]                 # versions, backends, plugin health, conflicts
+shardext new NAME [--dir DIR]            # write a plugin distribution to start a patch from
+shardext verify MODULE:FACTORY --input 1x3x64x64 --shard 2 --ranks 2   # a model sharded vs single-process
 python -m physicsnemo_shardext list      # same, without the console script
 ```
 
@@ -14,6 +16,10 @@ loaded or inspected (``SystemExit`` included; only a real Ctrl-C, exactly
 printed. While plugins load, their output goes to stderr, so ``--json`` stays
 valid JSON.
 
+``shardext new`` and ``shardext --help`` need neither torch nor PhysicsNeMo: the
+package's ``__init__`` calls `run_torch_free_command` before importing them, which
+answers such a command there and ends the process.
+
 Examples:
     >>> import io, json
     >>> out = io.StringIO()
@@ -21,7 +27,7 @@ Examples:
     0
     >>> data = json.loads(out.getvalue())
     >>> data["schema_version"], data["errors"], any(row["drift"] for row in data["handlers"])
-    (2, [], False)
+    (3, [], False)
 """
 
 from __future__ import annotations
@@ -36,21 +42,33 @@ from typing import Any, TextIO, TypeVar
 
 __all__ = [
     "JSON_SCHEMA_VERSION",
+    "TORCH_FREE_COMMANDS",
+    "answers_without_torch",
     "autoload_for_cli",
     "build_parser",
     "contained",
     "main",
     "plugin_output_to_stderr",
+    "run_torch_free_command",
     "started_as_cli",
 ]
 
 #: Version of the ``--json`` layout. 2 added ``schema_version``, ``errors``, and per handler
 #: row ``recorded_handler``, ``drift`` and ``drift_reason`` (``handler`` is now the live one).
-JSON_SCHEMA_VERSION = 2
+#: 3 added per handler row ``claimants``, the ``status`` value ``unresolved``, and a row for
+#: every slot plugins tie on unresolved; ``doctor``'s ``conflicts`` are unchanged.
+#: Equal to ``inventory.SCHEMA_VERSION`` (not imported: this module must import without torch).
+JSON_SCHEMA_VERSION = 3
 
 T = TypeVar("T")
 
 CLI_MODULES = ("physicsnemo_shardext", "physicsnemo_shardext.cli")
+
+#: Subcommands that import neither torch nor PhysicsNeMo (nor load plugins).
+TORCH_FREE_COMMANDS = frozenset({"new"})
+
+#: Names the console script has (``sys.argv[0]``'s base name, as pip writes it per platform).
+_SCRIPT_NAMES = frozenset({"shardext", "shardext.exe", "shardext-script.py"})
 
 # Errors of a plugin load that ran before main() (the package loads plugins when imported).
 _EARLY_ERRORS: list[str] = []
@@ -137,6 +155,45 @@ def started_as_cli(argv: Sequence[str] | None = None, orig_argv: Sequence[str] |
     return any(module in CLI_MODULES for module in modules)
 
 
+def answers_without_torch(args: Sequence[str]) -> bool:
+    """Whether ``shardext ARGS`` needs neither torch nor plugins: help, usage errors, `TORCH_FREE_COMMANDS`.
+
+    Examples:
+        >>> answers_without_torch(["new", "my-op"]), answers_without_torch(["--help"]), answers_without_torch([])
+        (True, True, True)
+        >>> answers_without_torch(["list", "--json"]), answers_without_torch(["list", "-h"])
+        (False, True)
+    """
+    if not args or "-h" in args or "--help" in args:
+        return True
+    command = next((arg for arg in args if not arg.startswith("-")), None)
+    return command is None or command in TORCH_FREE_COMMANDS
+
+
+def run_torch_free_command(argv: Sequence[str] | None = None, orig_argv: Sequence[str] | None = None) -> None:
+    """If this process is a ``shardext`` command that needs no torch, run it now and end the process.
+
+    The package's ``__init__`` calls this before it imports torch, PhysicsNeMo or
+    any plugin, so ``shardext new`` and ``shardext --help`` answer in a fraction of
+    the time. Anything else returns at once. Only the console script itself (not
+    a script that happens to be called ``shardext.py``) and ``python -m`` count.
+
+    Raises:
+        SystemExit: with the command's exit status, when it ran.
+
+    Examples:
+        >>> run_torch_free_command(["train.py", "--help"], ["python", "train.py", "--help"])  # not the command
+        >>> run_torch_free_command(["/venv/bin/shardext", "list"], [])  # needs the plugins: returns
+    """
+    argv = sys.argv if argv is None else argv
+    orig_argv = getattr(sys, "orig_argv", ()) if orig_argv is None else orig_argv
+    script = os.path.basename(argv[0]) if argv else ""
+    if script not in _SCRIPT_NAMES and not (script == "-m" and started_as_cli(argv, orig_argv)):
+        return
+    if answers_without_torch(argv[1:]):
+        raise SystemExit(main(list(argv[1:])))
+
+
 def autoload_for_cli(load: Callable[[], Any]) -> None:
     """Run the package's import-time plugin load the way the CLI needs it.
 
@@ -169,13 +226,14 @@ def _inspect(step: str, errors: list[str], action: Callable[[], T], default: T) 
         return contained(step, errors, action, default)
 
 
-def _table(rows: list[dict[str, Any]], columns: Sequence[str], out: TextIO) -> None:
+def _table(rows: list[dict[str, Any]], columns: Sequence[str], out: TextIO, titles: dict[str, str] | None = None) -> None:
     if not rows:
         out.write("(none)\n")
         return
+    titles = {c: (titles or {}).get(c, c) for c in columns}
     cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    out.write("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip() + "\n")
+    widths = [max(len(titles[c]), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    out.write("  ".join(titles[c].upper().ljust(w) for c, w in zip(columns, widths)).rstrip() + "\n")
     for row in cells:
         out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n")
 
@@ -193,12 +251,32 @@ def _recorded_cell(row: dict[str, Any]) -> str:
     return f"DRIFT (recorded: {row['recorded_handler'] or 'nothing'})"
 
 
+def _provider_cell(row: dict[str, Any]) -> str | None:
+    """The PROVIDER column: the provider, or ``UNRESOLVED`` for a tie with nothing installed by a plugin."""
+    if row.get("claimants") and row["provider"] is None:
+        return "UNRESOLVED"
+    return row["provider"]
+
+
 def _write_listing(handlers: list[dict[str, Any]], plugins: list[dict[str, Any]], out: TextIO) -> None:
     for row in handlers:
         row["overrides"] = "yes" if row["overrides_builtin"] else ""
         row["recorded"] = _recorded_cell(row)
-    columns = ["target", "level", "handler", "provider", "distribution", "priority", "overrides", "recorded"]
-    _table(handlers, columns, out)
+        row["provider_cell"] = _provider_cell(row)
+        if row.get("claimants"):
+            row["recorded"] += f"; UNRESOLVED tie: {', '.join(row['claimants'])}"
+    columns = ["target", "level", "handler", "provider_cell", "distribution", "priority", "overrides", "recorded"]
+    _table(handlers, columns, out, {"provider_cell": "provider"})
+    unresolved = [row for row in handlers if row.get("claimants")]
+    for row in unresolved:
+        row["claimants_cell"] = ", ".join(row["claimants"])
+        row["calls"] = row["handler"] or "nothing (slow fallback)"
+    if unresolved:
+        out.write(
+            "\nUnresolved conflicts: plugins claim these slots at equal priority, so neither handler is installed "
+            "and ShardTensor calls what it had before (set SHARDEXT_PREFER, a priority, or SHARDEXT_DISABLE):\n"
+        )
+        _table(unresolved, ["target", "level", "priority", "claimants_cell", "calls"], out, {"claimants_cell": "claimants"})
     drifted = [row for row in handlers if row["drift"]]
     if drifted:
         out.write("\nHandlers ShardTensor calls that are not the recorded ones:\n")
@@ -231,7 +309,7 @@ def _command_list(args: argparse.Namespace, out: TextIO) -> int:
         handlers = _inspect("reading ShardTensor's registries", errors, lambda: _inventory().handler_rows(registry, _runner(errors)), [])
         plugins = _inspect("reading the plugin reports", errors, lambda: _inventory().plugin_rows(registry), [])
     if args.plugin:
-        handlers = [h for h in handlers if h["provider"] == args.plugin]
+        handlers = [h for h in handlers if h["provider"] == args.plugin or args.plugin in (h.get("claimants") or [])]
         plugins = [p for p in plugins if p["plugin"] == args.plugin]
     if args.json:
         data = {"schema_version": JSON_SCHEMA_VERSION, "handlers": handlers, "plugins": plugins, "errors": errors}
@@ -253,8 +331,10 @@ def _doctor_data(errors: list[str]) -> dict[str, Any]:
 
 def _write_doctor_plugins(report: dict[str, Any], out: TextIO) -> None:
     out.write("Plugins\n")
+    versions = {d["plugin"]: d["version"] for d in report.get("plugin_details") or []}
     for status, names in report["plugins"].items():
-        out.write(f"  {status:22} {len(names)}  {', '.join(names)}\n")
+        labelled = [f"{name}=={versions[name]}" if versions.get(name) else name for name in names]
+        out.write(f"  {status:22} {len(names)}  {', '.join(labelled)}\n")
     for detail in report["plugin_details"]:
         if detail["status"] != "loaded":
             out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {detail['reason']}\n")
@@ -311,6 +391,18 @@ def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _command_new(args: argparse.Namespace, out: TextIO) -> int:
+    from physicsnemo_shardext import scaffold  # the standard library (and packaging) only
+
+    try:
+        result = scaffold.write_plugin(args.name, args.directory)
+    except scaffold.ScaffoldError as error:
+        sys.stderr.write(f"shardext new: error: {error}\n")
+        return 2
+    out.write(scaffold.next_steps(result) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``shardext`` (documented in the CLI reference page)."""
     parser = argparse.ArgumentParser(prog="shardext", description=__doc__.splitlines()[0])
@@ -322,7 +414,43 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="versions, backends, plugin health and conflicts")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(run=_command_doctor)
+    new = commands.add_parser(
+        "new",
+        help="write a plugin distribution to start a patch from (pyproject, hooks, handler, tests, README, ci.sh)",
+        description="Write a complete plugin distribution: pip install -e it and its tests pass as generated.",
+    )
+    new.add_argument(
+        "name",
+        metavar="NAME",
+        help="distribution name, e.g. shardext-myop; the module (shardext_myop) and plugin name derive from it",
+    )
+    new.add_argument(
+        "--dir", dest="directory", metavar="DIR", help="where to write it (default: ./NAME); must not exist or be empty"
+    )
+    new.set_defaults(run=_command_new)
+    verify = commands.add_parser(
+        "verify",
+        help="run a model sharded and single-process: op-by-op handlers, collectives, errors, gradients",
+        description="Run MODULE:FACTORY's model on sharded and full inputs with identical seeds and report, op by "
+        "op, which handler ran, whether the output stayed sharded, collectives and bytes per rank, the first error, "
+        "and the output, loss and every gradient against single-process. Exit status: 0 match, 1 mismatch, "
+        "2 unsupported op, 3 bad input, hang or dead rank.",
+    )
+    _verify_arguments(verify)
+    verify.set_defaults(run=_command_verify)
     return parser
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    from physicsnemo_shardext.verify_command import add_arguments  # the standard library only
+
+    add_arguments(parser)
+
+
+def _command_verify(args: argparse.Namespace, out: TextIO) -> int:
+    from physicsnemo_shardext.verify_command import run_verify
+
+    return run_verify(args, out)
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:

@@ -55,8 +55,11 @@ __all__ = [
 
 #: Version of the JSON written by ``shardext list --json`` / ``doctor --json``.
 #: 1: unversioned ``{"handlers", "plugins"}``; 2: adds ``schema_version``, ``errors``, and per
-#: row ``recorded_handler``, ``live_provider``, ``table``, ``status``, ``drift``, ``drift_reason``.
-SCHEMA_VERSION = 2
+#: row ``recorded_handler``, ``live_provider``, ``table``, ``status``, ``drift``, ``drift_reason``;
+#: 3: adds per row ``claimants`` and the ``status`` value ``unresolved``, and a row for every slot
+#: that plugins tie on at equal priority with nothing resolving it (even when ShardTensor has no
+#: handler there: then ``handler`` is ``null`` and ``provider`` is ``null``).
+SCHEMA_VERSION = 3
 
 T = TypeVar("T")
 
@@ -249,7 +252,43 @@ def _slot_row(
         "status": "drift" if drift else "ok",
         "drift": drift,
         "drift_reason": _drift_reason(slot, recorded, patch) if drift else None,
+        "claimants": [],
     }
+
+
+def _mark_unresolved(rows: list[dict[str, Any]], conflicts: list[Any]) -> None:
+    """Flag each slot plugins tie on (``winner`` is ``None``) with its claimants; add a row if none shows it.
+
+    Neither claimant's handler is installed there, so ShardTensor calls what it had
+    before (PhysicsNeMo's built-in, or nothing: the slow fallback).
+    """
+    by_slot = {(row["target"], row["level"]): row for row in rows}
+    for conflict in conflicts:
+        if conflict.winner is not None:
+            continue
+        row = by_slot.get((conflict.target, conflict.level))
+        if row is None:
+            row = {
+                "target": conflict.target,
+                "level": conflict.level,
+                "provider": None,
+                "distribution": None,
+                "priority": conflict.priority,
+                "overrides_builtin": False,
+                "shadowed": [],
+                "replaced": None,
+                "description": "",
+                "handler": None,
+                "recorded_handler": None,
+                "live_provider": None,
+                "table": None,
+                "drift": False,
+                "drift_reason": None,
+            }
+            rows.append(row)
+        row["status"] = "unresolved" if not row["drift"] else row["status"]
+        row["claimants"] = list(conflict.providers)
+        row["priority"] = conflict.priority if row["provider"] is None else row["priority"]
 
 
 def _recorded_but_missing(registry: PatchRegistry, seen: set[tuple[PatchLevel, Any]]) -> list[LiveSlot]:
@@ -291,6 +330,7 @@ def handler_rows(registry: PatchRegistry, run: Runner = _direct) -> list[dict[st
         row = run(_slot_stage(slot), lambda: _slot_row(slot, patch, index, tables), None)
         if row is not None:
             rows.append(row)
+    run("read conflicts", lambda: _mark_unresolved(rows, registry.conflicts()), None)
     rows.sort(key=lambda r: (r["level"], r["target"]))
     return rows
 

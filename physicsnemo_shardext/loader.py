@@ -45,7 +45,9 @@ newcomer. None of this depends on the order entry points are discovered in.
 
 **Strict mode** (``SHARDEXT_STRICT=1``) raises ``PluginLoadError`` on anything but a
 clean load: a failure, a refused name, a bypassing write, and a plugin skipped as
-incompatible. Plugins the user blocked are not failures.
+incompatible. An unresolved equal-priority tie raises `PatchConflictError` itself
+(the plugin whose install made the tie is reported ``failed``). Plugins the user
+blocked are not failures.
 
 Examples:
     >>> import types
@@ -60,6 +62,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import re
 import warnings
 from collections import defaultdict
@@ -75,6 +78,7 @@ from physicsnemo_shardext.requirements import incompatibility
 from physicsnemo_shardext.declarations import PatchSet
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
+    PatchConflictError,
     PluginLoadError,
     PluginNameClash,
     ShardextWarning,
@@ -96,6 +100,7 @@ __all__ = [
     "first_party_names",
     "name_clashes",
     "plugin_info_for",
+    "unknown_selector_message",
 ]
 
 ENTRY_POINT_GROUP = PROJECT_NAME
@@ -263,6 +268,27 @@ class _Attempt:
     was_registered: bool = True
 
 
+def unknown_selector_message(variable: str, selector: str, known: Iterable[PluginInfo]) -> str:
+    """The warning for a name in ``variable`` that matches none of the ``known`` plugins.
+
+    Examples:
+        >>> print(unknown_selector_message("SHARDEXT_DISABLE", "pointwize", [PluginInfo("pointwise", "physicsnemo-shardext")]))
+        SHARDEXT_DISABLE names 'pointwize', which matches no installed plugin or distribution; did you mean 'pointwise'?
+        >>> print(unknown_selector_message("SHARDEXT_ONLY", "zzz", [PluginInfo("fft", "physicsnemo-shardext")]))
+        SHARDEXT_ONLY names 'zzz', which matches no installed plugin or distribution (no close match; installed plugins: fft)
+    """
+    known = list(known)
+    names = sorted({info.name for info in known} | {info.distribution for info in known if info.distribution})
+    by_key = {name.lower().replace("_", "-"): name for name in names}
+    key = selector.strip().lower().replace("_", "-")
+    close = [by_key[match] for match in difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.6)]
+    head = f"{variable} names {selector!r}, which matches no installed plugin or distribution"
+    if close:
+        return f"{head}; did you mean {' or '.join(repr(name) for name in close)}?"
+    plugins = ", ".join(sorted({info.name for info in known})) or "none"
+    return f"{head} (no close match; installed plugins: {plugins})"
+
+
 class PluginLoader:
     """Loads plugins into a `PatchRegistry`, one at a time, each in isolation."""
 
@@ -280,6 +306,8 @@ class PluginLoader:
         """
         if entry_points is None:
             entry_points = discover_entry_points()
+        entry_points = list(entry_points)
+        self._warn_unknown_selectors(entry_points)
         reports: list[PluginReport] = []
         pending = self._pending(entry_points, reports)
         clashes = name_clashes(
@@ -305,6 +333,28 @@ class PluginLoader:
         if blocked is not None:
             return self._report(PluginReport(info, LoadStatus.BLOCKED, blocked))
         return self._load(info, None, plugin)
+
+    def _warn_unknown_selectors(self, entry_points: Sequence[metadata.EntryPoint]) -> None:
+        """Warn about a ``SHARDEXT_DISABLE``/``SHARDEXT_ONLY`` name that designates no plugin, naming close matches.
+
+        A typo there would otherwise be silently ignored (``SHARDEXT_DISABLE``) or block
+        everything (``SHARDEXT_ONLY``). Known names are the plugins and distributions of
+        the entry points being loaded, of every installed entry point, and of plugins
+        already loaded.
+        """
+        lists = [("SHARDEXT_DISABLE", self.settings.deny), ("SHARDEXT_ONLY", self.settings.allow or ())]
+        if not any(selectors for _, selectors in lists):
+            return
+        known: list[PluginInfo] = [plugin_info_for(ep) for ep in entry_points] + list(self.registry.plugins())
+        discovered = False
+        for variable, selectors in lists:
+            for selector in selectors:
+                if not discovered and not any(info.matches(selector) for info in known):
+                    known += [plugin_info_for(ep) for ep in discover_entry_points()]
+                    discovered = True
+                if any(info.matches(selector) for info in known):
+                    continue
+                warnings.warn(unknown_selector_message(variable, selector, known), ShardextWarning, stacklevel=4)
 
     # -- one plugin --------------------------------------------------------------------------
     def _pending(
@@ -432,6 +482,9 @@ class PluginLoader:
         failure = PluginLoadError(info.name, info.distribution, info.version, stage, error, detail=detail)
         report = self._report(PluginReport(info, LoadStatus.FAILED, str(failure), stage=stage))
         if self.settings.strict:
+            if isinstance(error, PatchConflictError):
+                # An unresolved tie is not the plugin's fault alone: raise what the docs promise.
+                raise error
             raise failure from error
         warnings.warn(f"{failure}; its patches were not installed", ShardextWarning, stacklevel=4)
         return report

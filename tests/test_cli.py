@@ -125,7 +125,7 @@ def test_attribute_replacement_is_listed_with_its_reason(pristine_registries):
 # -- live handlers and drift ------------------------------------------------------------------
 def _rows(*argv):
     data = json.loads(run_cli("list", "--json", *argv))
-    assert data["schema_version"] == 2 and data["errors"] == []
+    assert data["schema_version"] == 3 and data["errors"] == []
     return {(r["target"], r["level"]): r for r in data["handlers"]}
 
 
@@ -275,7 +275,7 @@ def test_printing_plugin_keeps_list_json_parseable(tmp_path):
         result = _console(argv, tmp_path)
         assert result.returncode == 0, result.stderr
         data = json.loads(result.stdout)
-        assert data["schema_version"] == 2
+        assert data["schema_version"] == 3
         assert "chatty: hello at import" in result.stderr and "chatty: raw bytes at import" in result.stderr
         assert "chatty: hello from the hook" in result.stderr
     assert any(p["plugin"] == "chatty" and p["status"] == "loaded" for p in json.loads(result.stdout)["plugin_details"])
@@ -292,3 +292,91 @@ def test_plugin_calling_sys_exit_at_import_does_not_kill_list_or_doctor(tmp_path
     assert "exiter (exiter-dist==0.1)" in doctor.stdout and "SystemExit" in doctor.stdout
     data = json.loads(_console(["doctor", "--json"], tmp_path).stdout.split("exiting\n")[-1])
     assert "exiter" in data["plugins"]["failed"]
+
+
+def test_torch_free_commands_are_answered_by_the_package_import(capsys):
+    # physicsnemo_shardext/__init__.py calls run_torch_free_command() before importing torch;
+    # tests/test_scaffold.py checks in fresh processes that torch is then never imported.
+    import pytest
+
+    from physicsnemo_shardext.cli import answers_without_torch, run_torch_free_command
+
+    assert answers_without_torch(["new", "x", "--dir", "y"]) and answers_without_torch(["doctor", "--help"])
+    assert not answers_without_torch(["doctor"]) and not answers_without_torch(["list", "--plugin", "new"])
+    for argv, orig_argv in (
+        (["/venv/bin/shardext", "new", "--help"], []),
+        (["-m", "new", "--help"], ["python", "-m", "physicsnemo_shardext", "new", "--help"]),
+    ):
+        with pytest.raises(SystemExit) as ended:
+            run_torch_free_command(argv, orig_argv)
+        assert ended.value.code == 0 and "usage: shardext new" in capsys.readouterr().out
+    # a user's script named shardext.py, and commands that need the plugins, are left alone
+    assert run_torch_free_command(["shardext.py", "--help"], ["python", "shardext.py", "--help"]) is None
+    assert run_torch_free_command(["/venv/bin/shardext", "list", "--json"], []) is None
+
+
+TIED = """
+import torch
+from physicsnemo_shardext import hookimpl
+def h(func, types, args, kwargs): ...
+@hookimpl
+def shardext_declare_patches(patches):
+    patches.function(torch.cummax, h, priority=2)
+"""
+
+
+def test_strict_tie_is_a_patch_conflict_error_and_list_and_doctor_still_exit_0(tmp_path):
+    write_plugin_distribution(tmp_path, "left-dist", "1.0", {"left": "left_tie"}, {"left_tie": TIED})
+    write_plugin_distribution(tmp_path, "right-dist", "1.0", {"right": "right_tie"}, {"right_tie": TIED})
+    for argv in (["list"], ["doctor"]):
+        result = _console(argv, tmp_path, SHARDEXT_STRICT="1")
+        assert result.returncode == 0, result.stderr  # docs/reference/cli.md: problems are in the report
+        assert "loading plugins: PatchConflictError: conflict on function-level target torch.cummax" in result.stdout
+        assert "PluginLoadError" not in result.stdout.split("Errors while loading")[-1]
+
+
+def test_list_shows_an_unresolved_tie_and_both_claimants(pristine_registries):
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    import physicsnemo_shardext
+    from physicsnemo_shardext import PatchSet, ShardextWarning
+    from physicsnemo_shardext.provenance import PluginInfo
+
+    def h(func, types, args, kwargs): ...
+
+    registry = physicsnemo_shardext.get_registry()
+    with registry.sandbox():
+        for name in ("left", "right"):
+            patches = PatchSet(name)
+            patches.function(torch.cummax, h, priority=2)  # no built-in: nothing is called there
+            patches.function(F.interpolate, h, priority=2, override=True)  # a built-in stays in place
+            with pytest.warns(ShardextWarning):
+                registry.add_plugin(PluginInfo(name, f"{name}-dist", "1.0"), list(patches))
+        data = json.loads(run_cli("list", "--json"))
+        assert data["schema_version"] == 3
+        rows = {(r["target"], r["level"]): r for r in data["handlers"]}
+        cummax = rows[("torch.cummax", "function")]
+        assert cummax["status"] == "unresolved" and cummax["claimants"] == ["left", "right"]
+        assert cummax["handler"] is None and cummax["provider"] is None and cummax["priority"] == 2
+        interp = rows[("torch.nn.functional.interpolate", "function")]
+        assert interp["status"] == "unresolved" and interp["claimants"] == ["left", "right"]
+        assert interp["provider"] == "physicsnemo" and interp["handler"].endswith("generic_interpolate_wrapper")
+        others = [key for key, row in rows.items() if row["claimants"]]
+        assert sorted(others) == [("torch.cummax", "function"), ("torch.nn.functional.interpolate", "function")]
+        text = run_cli("list", "--plugin", "left")
+        line = next(line for line in text.splitlines() if line.startswith("torch.cummax "))
+        assert "UNRESOLVED" in line.split() and line.endswith("UNRESOLVED tie: left, right")
+        tail = text.split("Unresolved conflicts:")[1]
+        assert "torch.cummax" in tail and "left, right" in tail and "nothing (slow fallback)" in tail
+        assert "generic_interpolate_wrapper" in tail
+    assert registry.conflicts() == [] or all(c.target != "torch.cummax" for c in registry.conflicts())
+
+
+def test_doctor_text_shows_plugin_versions():
+    from physicsnemo_shardext.requirements import installed_version
+
+    text = run_cli("doctor")
+    loaded = next(line for line in text.splitlines() if line.strip().startswith("loaded"))
+    assert f"pointwise=={installed_version('physicsnemo-shardext')}" in loaded

@@ -506,3 +506,45 @@ def test_strict_mode_accepts_blocked_plugins(site, fresh_registry):
     install(site, "good-dist", "good", "good_strict_blocked", GOOD.format(tag="s", priority=0))
     reports = load(site, fresh_registry, strict=True, deny=("future",))
     assert (reports["future"].status, reports["good"].status) == (LoadStatus.BLOCKED, LoadStatus.LOADED)
+
+
+def test_strict_mode_raises_patch_conflict_error_on_an_unresolved_tie(site, pristine_registries):
+    # docs/reference/environment.md: "A tie between plugins that nothing resolves raises PatchConflictError".
+    from physicsnemo_shardext import PatchConflictError
+    from physicsnemo_shardext.registry import PatchRegistry
+
+    install(site, "left-dist", "left", "left_strict_tie", GOOD.format(tag="L", priority=5))
+    install(site, "right-dist", "right", "right_strict_tie", GOOD.format(tag="R", priority=5))
+    registry = PatchRegistry(strict=True)
+    try:
+        with pytest.raises(PatchConflictError, match="'left' and 'right' both claim it at priority 5") as error:
+            PluginLoader(registry, Settings(strict=True)).load_entry_points(entry_points_in(site))
+        assert not isinstance(error.value, PluginLoadError)
+        assert error.value.providers == ["left", "right"] and error.value.priority == 5
+        statuses = {r.plugin.name: r.status for r in registry.reports()}
+        assert statuses == {"left": LoadStatus.LOADED, "right": LoadStatus.FAILED}
+        assert shard_registries.current_handler("function", torch.roll)(None, None, None, None) == "L"
+    finally:
+        registry.remove_all()
+    assert shard_registries.snapshot() == pristine_registries
+
+
+@pytest.mark.parametrize("variable", ["deny", "allow"])
+def test_a_name_matching_no_plugin_warns_with_close_matches(site, fresh_registry, variable):
+    install(site, "first-dist", "first", "first_typo_mod", GOOD.format(tag="1", priority=1))
+    option = "SHARDEXT_DISABLE" if variable == "deny" else "SHARDEXT_ONLY"
+    with pytest.warns(ShardextWarning, match=rf"{option} names 'frist', which matches no installed plugin or distribution; did you mean 'first'") as record:
+        reports = load(site, fresh_registry, **{variable: ("frist", "first-dist" if variable == "allow" else "nothing-like-it-zz")})
+    messages = [str(w.message) for w in record if issubclass(w.category, ShardextWarning)]
+    if variable == "deny":
+        assert reports["first"].status is LoadStatus.LOADED  # the typo blocked nothing
+        assert any("'nothing-like-it-zz'" in m and "no close match" in m for m in messages)
+    else:
+        assert reports["first"].status is LoadStatus.LOADED  # matched by its distribution: no warning for it
+        assert not any(m.startswith("SHARDEXT_ONLY names 'first-dist'") for m in messages)
+
+
+def test_names_of_installed_plugins_outside_the_loaded_set_do_not_warn(site, fresh_registry, recwarn):
+    install(site, "first-dist", "first", "first_known_mod", GOOD.format(tag="1", priority=1))
+    load(site, fresh_registry, deny=("pointwise", "physicsnemo-shardext", "first"))  # real, installed names
+    assert not [w for w in recwarn if "matches no installed plugin" in str(w.message)]

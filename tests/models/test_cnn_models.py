@@ -123,6 +123,18 @@ def test_unet_3d_on_2_ranks_uneven_depth(domain_mesh):
     _no_activation_gather_and_same_buffers(model, x, spec)
 
 
+@pytest.mark.multirank(2, timeout=120)
+def test_unet_3d_on_a_split_pooling_rounds(domain_mesh):
+    """D split 10 + 6: pooling rounds the odd shard (5+3, then 3+1), so each skip connection meets its
+    upsampled partner split differently (6+2 vs 5+3) and ``torch.cat`` re-splits it (found by
+    ``shardext verify``; refused before)."""
+    model = _unet(gradient_checkpointing=False)
+    x = torch.randn(1, 1, 16, 4, 4)
+    spec = ShardSpec(domain_mesh, [Shard(2)], [10, 6])
+    check_conformance(model, [x], spec, rtol=RTOL, atol=ATOL)
+    _no_activation_gather_and_same_buffers(model, x, spec)
+
+
 @pytest.mark.multirank(4, timeout=120)
 def test_unet_3d_attention_gates_on_4_ranks(domain_mesh):
     """UNet as on 2 ranks plus attention gates (use_attn_gate=True, attn_decoder_feature_maps=[8, 4],

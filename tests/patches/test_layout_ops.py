@@ -118,11 +118,36 @@ def test_layout_op_on_2d_spatial_mesh(spatial_mesh, name):
 @pytest.mark.multirank(2)
 def test_cat_refuses_what_it_cannot_do(domain_mesh):
     x = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [5, 2])
-    other_split = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [4, 3])
+    other_dim = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(1)], [1, 1])
     with pytest.raises(MissingShardPatch, match="sharded differently.*fails on uneven shards"):
-        cat_local(torch.cat, (), ([x, other_split], 1), {})
+        cat_local(torch.cat, (), ([x, other_dim], 1), {})
     with pytest.raises(MissingShardPatch, match=r"replicated input of shape \(1, 2, 6\) does not match"):
         cat_local(torch.cat, (), ([x, torch.randn(1, 2, 6)],), {"dim": 1})
+
+
+RESPLIT_JOINS = {
+    "cat": lambda a, b: torch.cat([a, 2 * b], 1),
+    "stack": lambda a, b: torch.stack([a, 2 * b], -1),
+}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("join", sorted(RESPLIT_JOINS))
+def test_a_differently_split_operand_is_resplit_to_the_first(domain_mesh, rank, join):
+    # A UNet skip meets its upsampled partner split 6/2 vs 5/3: the partner's rows move, one all-to-all.
+    specs = [ShardSpec(domain_mesh, [Shard(2)], [5, 3]), ShardSpec(domain_mesh, [Shard(2)], [6, 2])]
+    report = check_conformance(RESPLIT_JOINS[join], [torch.randn(1, 2, 8), torch.randn(1, 2, 8)], specs)
+    assert report.comms.forward.counts.get("c10d.alltoall_base_", 0) == 1
+    a = shard_tensor(torch.randn(1, 2, 8), domain_mesh, [Shard(2)], [5, 3])
+    b = shard_tensor(torch.randn(1, 2, 8), domain_mesh, [Shard(2)], [6, 2])
+    assert RESPLIT_JOINS[join](a, b).to_local().shape[2] == [5, 3][rank]  # the first operand's split
+
+
+@pytest.mark.multirank(4)
+def test_resplit_join_on_a_2d_mesh(spatial_mesh):
+    specs = [ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 3], 1: [2, 4]}),
+             ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 2], 1: [4, 2]})]
+    check_conformance(RESPLIT_JOINS["cat"], [torch.randn(1, 2, 8, 6), torch.randn(1, 2, 8, 6)], specs)
 
 
 class CatsAGrid(torch.nn.Module):
@@ -268,9 +293,9 @@ def test_flatten_scales_the_rows_moves_the_shard_and_refuses_interleaving_sample
 @pytest.mark.multirank(2)
 def test_stack_refuses_differently_sharded_inputs(domain_mesh):
     x = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [5, 2])
-    other_split = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(2)], [4, 3])
+    other_dim = shard_tensor(torch.randn(1, 2, 7), domain_mesh, [Shard(1)], [1, 1])
     with pytest.raises(MissingShardPatch, match="stacking needs identical shards"):
-        stack_local(torch.stack, (), ([x, other_split], -1), {})
+        stack_local(torch.stack, (), ([x, other_dim], -1), {})
     with pytest.raises(MissingShardPatch, match="every input must be a ShardTensor"):
         stack_local(torch.stack, (), ([x, torch.randn(1, 2, 7)],), {})
 
