@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from physicsnemo.distributed import DistributedManager
+
+from physicsnemo_shardext.errors import ShardextWarning
 
 __all__ = ["distributed_session", "initialize", "is_cpu_device_id", "shutdown"]
 
@@ -152,9 +155,40 @@ def initialize() -> DistributedManager:
     # a division by zero on CPU: default it to the rank, as torchrun would.
     if "RANK" in os.environ and "LOCAL_RANK" not in os.environ and not torch.cuda.is_available():
         os.environ["LOCAL_RANK"] = os.environ["RANK"]
+    if _fewer_gpus_than_local_ranks():
+        # NCCL would give this process cuda:<local_rank>, which does not exist: every rank of
+        # the node goes to gloo on CPU instead (all alike, or the group would mix backends).
+        warnings.warn(_fewer_gpus_message(), ShardextWarning, stacklevel=2)
+        dist.init_process_group("gloo")
+        _adopt_existing_process_group()
+        return DistributedManager()
     with _tolerate_cpu_device_id(), _slurm_variables_for_physicsnemo():
         DistributedManager.initialize()
     return DistributedManager()
+
+
+def _fewer_gpus_than_local_ranks() -> bool:
+    """Whether this node runs more ranks than it has GPUs (torchrun's ``LOCAL_WORLD_SIZE``, else ``LOCAL_RANK``).
+
+    Examples:
+        >>> _fewer_gpus_than_local_ranks() if "LOCAL_WORLD_SIZE" not in os.environ else False
+        False
+    """
+    if not torch.cuda.is_available():
+        return False
+    gpus = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_world > gpus or local_rank >= gpus
+
+
+def _fewer_gpus_message() -> str:
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "?")
+    return (
+        f"{local_world} ranks on this node but {torch.cuda.device_count()} visible GPU(s): NCCL needs one GPU per "
+        "rank, so every rank of this node uses gloo on CPU. Launch at most one rank per GPU "
+        "(torchrun --nproc-per-node <= the GPU count) to run on GPUs."
+    )
 
 
 def shutdown() -> None:

@@ -68,3 +68,37 @@ def test_is_cpu_device_id():
     assert distributed.is_cpu_device_id("cpu") and distributed.is_cpu_device_id(torch.device("cpu"))
     assert not distributed.is_cpu_device_id(None) and not distributed.is_cpu_device_id(0)
     assert not distributed.is_cpu_device_id(torch.device("cuda", 1))
+
+
+MORE_RANKS_THAN_GPUS = """
+import warnings
+import torch
+import torch.distributed as dist
+
+torch.cuda.is_available = lambda: True      # pretend: a node with one GPU ...
+torch.cuda.device_count = lambda: 1         # ... and torchrun starting two ranks on it
+import physicsnemo_shardext
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    manager = physicsnemo_shardext.initialize()
+told = [str(w.message) for w in caught if "visible GPU" in str(w.message)]
+assert dist.get_backend() == "gloo" and manager.device.type == "cpu", (dist.get_backend(), manager.device)
+assert told and "2 ranks on this node but 1 visible GPU(s)" in told[0], told
+total = torch.ones(1)
+dist.all_reduce(total)
+assert total.item() == 2
+physicsnemo_shardext.shutdown()
+print(f"rank {manager.rank} fell back to gloo")
+"""
+
+
+def test_more_ranks_than_gpus_falls_back_to_gloo_with_a_warning(tmp_path):
+    script = tmp_path / "more_ranks.py"
+    script.write_text(MORE_RANKS_THAN_GPUS)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert "rank 0 fell back to gloo" in result.stdout and "rank 1 fell back to gloo" in result.stdout

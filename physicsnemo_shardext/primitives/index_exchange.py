@@ -29,6 +29,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -130,6 +131,43 @@ def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(rows), dtype=torch.long, device=device)
 
 
+@functools.lru_cache(maxsize=4096)
+def _span(rows: tuple[int, ...]) -> slice | None:
+    """``rows`` as a slice when they are consecutive and increasing (the common case: a block, a halo).
+
+    Fancy indexing copies through an index tensor and ``index_add_`` is slow on strided
+    blocks; a slice is a view, so copies and accumulations become plain strided ops.
+
+    Examples:
+        >>> _span((3, 4, 5)), _span((3, 5)), _span(())
+        (slice(3, 6, None), None, None)
+    """
+    if not rows or rows[-1] - rows[0] != len(rows) - 1 or any(b - a != 1 for a, b in zip(rows, rows[1:])):
+        return None
+    return slice(rows[0], rows[-1] + 1)
+
+
+def _take(source: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    span = _span(rows)
+    return source[span] if span is not None else source[_index(rows, source.device)]
+
+
+def _put(target: torch.Tensor, positions: tuple[int, ...], values: torch.Tensor) -> None:
+    span = _span(positions)
+    if span is not None:
+        target[span] = values
+    else:
+        target[_index(positions, target.device)] = values
+
+
+def _accumulate(target: torch.Tensor, rows: tuple[int, ...], values: torch.Tensor) -> None:
+    span = _span(rows)
+    if span is not None:
+        target[span] += values  # consecutive rows never repeat
+    else:
+        target.index_add_(0, _index(rows, target.device), values)  # repeats (reflection) accumulate
+
+
 class _GatherGlobalIndices(torch.autograd.Function):
     """Autograd wrapper; works on the sharded dim moved to the front."""
 
@@ -139,13 +177,13 @@ class _GatherGlobalIndices(torch.autograd.Function):
         device = rows_first.device
         out = rows_first.new_empty((plan.output_rows,) + tuple(rows_first.shape[1:]))
         if plan.self_rows:
-            out[_index(plan.self_positions, device)] = rows_first[_index(plan.self_rows, device)]
+            _put(out, plan.self_positions, _take(rows_first, plan.self_rows))
         if plan.crosses:
-            pieces = [rows_first[_index(rows, device)] for rows in plan.send_rows]
+            pieces = [_take(rows_first, rows) if rows else rows_first[:0] for rows in plan.send_rows]
             received = _all_to_all_rows(pieces, [len(p) for p in plan.recv_positions], layout, rows_first)
             for positions, rows in zip(plan.recv_positions, received):
                 if positions:
-                    out[_index(positions, device)] = rows
+                    _put(out, positions, rows)
         return out
 
     @staticmethod
@@ -154,14 +192,14 @@ class _GatherGlobalIndices(torch.autograd.Function):
         device = grad_out.device
         grad = grad_out.new_zeros((ctx.local_rows,) + tuple(grad_out.shape[1:]))
         if plan.self_rows:
-            grad.index_add_(0, _index(plan.self_rows, device), grad_out[_index(plan.self_positions, device)])
+            _accumulate(grad, plan.self_rows, _take(grad_out, plan.self_positions))
         if plan.crosses:
             # The reverse exchange: what we received goes back to its owner, summed into its rows.
-            pieces = [grad_out[_index(p, device)] for p in plan.recv_positions]
+            pieces = [_take(grad_out, p) if p else grad_out[:0] for p in plan.recv_positions]
             returned = _all_to_all_rows(pieces, [len(r) for r in plan.send_rows], layout, grad_out)
             for rows, values in zip(plan.send_rows, returned):
                 if rows:
-                    grad.index_add_(0, _index(rows, device), values)
+                    _accumulate(grad, rows, values)
         return grad, None, None
 
 
