@@ -51,15 +51,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import json
-import os
-import statistics
 import sys
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +64,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spectral_layer import _all_ranks_agree, _free_port, _pin_mmap_threshold, _sync, peak_memory  # noqa: E402
+from _common import (  # noqa: E402
+    all_ranks_agree,
+    first_line,
+    fmt_bytes,
+    heap_allocations,
+    launch,
+    median_ms,
+    peak_memory,
+    pin_mmap_threshold,
+    sync,
+)
 
 VARIANTS = ("ring", "gather", "physicsnemo", "single")
 FORWARD_GOAL, BACKWARD_GOAL, MEMORY_SLACK = 1.1, 1.25, 0.10
@@ -149,46 +155,12 @@ def measure_single(args: argparse.Namespace, device: torch.device) -> tuple[Rank
     reference, grads = reference.detach(), [t.grad for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None  # freed before the measured step (as in every variant), not inside it
-    _sync(device)
+    sync(device)
     with peak_memory(device) as peak:
         step()
     result.peak_mib = result.single_peak_mib = peak[0]
     result.max_error = 0.0
     return result, [reference, *grads], step
-
-
-@contextlib.contextmanager
-def _heap_allocations() -> Iterator[None]:
-    """Time with glibc's usual allocator behaviour, not with the pinned mmap threshold of the memory measurement.
-
-    With every allocation above 128 KiB its own mapping, each one costs an ``mmap``, page faults and a
-    ``munmap``: that would charge the many chunk-sized buffers of the ring more than the few large
-    ones of single-process attention. glibc's own dynamic threshold rises to 32 MiB; we set that while
-    timing, after every memory measurement (freed heap memory would hide later peaks), and give the
-    heap back (``malloc_trim``) and pin the threshold again afterwards.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        yield
-        return
-    libc.mallopt(-3, 32 * 2**20)  # -3: M_MMAP_THRESHOLD
-    try:
-        yield
-    finally:
-        libc.malloc_trim(0)
-        libc.mallopt(-3, 128 * 1024)
-
-
-def _median_ms(step: Timer, repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3 if times else float("nan")
 
 
 def measure_variant(
@@ -236,8 +208,8 @@ def measure_variant(
                 out = call()
             result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
         except Exception as error:
-            result.status = f"crashes ({type(error).__name__}: {_first_line(error)})"
-        if not _all_ranks_agree(result.status == "ok"):
+            result.status = f"crashes ({type(error).__name__}: {first_line(error)})"
+        if not all_ranks_agree(result.status == "ok"):
             result.status = result.status if result.status != "ok" else "crashes on another rank"
             result.forward_calls = result.forward_bytes = None
             return result, None
@@ -248,8 +220,8 @@ def measure_variant(
             result.backward_calls, result.backward_bytes = backward.stats.total_calls, backward.stats.total_bytes
         except Exception as error:
             backward_works = False
-            result.status = f"backward crashes ({type(error).__name__}: {_first_line(error)})"
-        backward_works = _all_ranks_agree(backward_works)  # a rank-local crash would desynchronize the timing
+            result.status = f"backward crashes ({type(error).__name__}: {first_line(error)})"
+        backward_works = all_ranks_agree(backward_works)  # a rank-local crash would desynchronize the timing
         if not backward_works and result.status == "ok":
             result.status = "backward crashes on another rank"
         errors = [(out.full_tensor() - reference[0]).abs().max().item()]
@@ -260,7 +232,7 @@ def measure_variant(
         for t in (q, k, v):
             t.grad = None  # freed before the measured step, not inside it (that would hide their size)
 
-        _sync(device)
+        sync(device)
         with peak_memory(device) as peak:
             step(backward_works)
         result.peak_mib = peak[0]
@@ -272,19 +244,7 @@ def measure_variant(
     return result, timed_step
 
 
-def _first_line(error: BaseException) -> str:
-    """The first sentence of the error's first line (at most 100 characters)."""
-    lines = str(error).strip().splitlines()
-    return (lines[0].split(". ")[0].rstrip(".") if lines else "")[:100]
-
-
 # -- report ---------------------------------------------------------------------------------------
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
-
-
 def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -301,9 +261,9 @@ def markdown_table(results: list[RankResult]) -> str:
         time_cell = "-" if r.forward_calls is None and r.variant != "single" else f"{r.median_ms:.1f} ms{timed}"
         lines.append(
             f"| {r.variant} | {r.rank} | {r.local_tokens} "
-            f"| {'-' if r.forward_calls is None else r.forward_calls} | {_fmt_bytes(r.forward_bytes)} "
+            f"| {'-' if r.forward_calls is None else r.forward_calls} | {fmt_bytes(r.forward_bytes)} "
             f"| {_fmt_ratio(r.forward_ratio)} "
-            f"| {'-' if r.backward_calls is None else r.backward_calls} | {_fmt_bytes(r.backward_bytes)} "
+            f"| {'-' if r.backward_calls is None else r.backward_calls} | {fmt_bytes(r.backward_bytes)} "
             f"| {_fmt_ratio(r.backward_ratio)} "
             f"| {'n/a' if r.peak_mib is None else f'{r.peak_mib:.1f} MiB'} | {_fmt_ratio(r.memory_ratio)} "
             f"| {time_cell} | {'-' if r.max_error != r.max_error else f'{r.max_error:.1e}'} | {r.status} |"
@@ -313,7 +273,7 @@ def markdown_table(results: list[RankResult]) -> str:
 
 def run(args: argparse.Namespace) -> None:
     """Body of every rank: every variant, then rank 0 prints the table (and writes the JSON)."""
-    _pin_mmap_threshold()
+    pin_mmap_threshold()
     warnings.filterwarnings("ignore", category=FutureWarning)  # PhysicsNeMo's redistribute uses deprecated funcol
     import physicsnemo_shardext
 
@@ -323,10 +283,10 @@ def run(args: argparse.Namespace) -> None:
         single, reference, single_step = measure_single(args, manager.device)
         measured = [measure_variant(v, args, mesh, manager.device, reference) for v in VARIANTS if v != "single"]
         measured.append((single, single_step))
-        with _heap_allocations():  # timed after every memory measurement
+        with heap_allocations():  # timed after every memory measurement
             for result, timer in measured:
                 if timer is not None:
-                    result.median_ms = _median_ms(timer, args.repeats, manager.device)
+                    result.median_ms = median_ms(timer, args.repeats, manager.device)
         results = [result for result, _ in measured]
         for r in results:
             r.single_peak_mib = single.peak_mib
@@ -360,15 +320,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 # -- launching ------------------------------------------------------------------------------------
-def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)  # like torchrun's OMP_NUM_THREADS=1
-    run(args)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not launched by torchrun")
@@ -384,10 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        run(args)  # launched by torchrun
-    else:
-        torch.multiprocessing.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
+    launch(run, args, args.nproc)  # inline under torchrun, else spawns --nproc gloo CPU ranks
     return 0
 
 

@@ -38,16 +38,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
-import os
-import socket
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import all_ranks_agree, fmt_bytes, launch, peak_memory, pin_mmap_threshold, sync  # noqa: E402
 
 VARIANTS = ("patched", "fallback")
 DEFAULT_FALLBACK_PLUGINS = "fft,spectral"
@@ -70,57 +72,7 @@ class RankResult:
     status: str = "ok"
 
 
-# -- memory ------------------------------------------------------------------------------------
-def _pin_mmap_threshold() -> None:
-    """Make glibc map every allocation above 128 KiB separately, so frees return memory to the OS."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-@contextlib.contextmanager
-def peak_memory(device: torch.device) -> Iterator[list[float | None]]:
-    """Yield a one-item list that receives the peak extra memory of the block, in MiB (None: unavailable)."""
-    result: list[float | None] = [None]
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        yield result
-        torch.cuda.synchronize()
-        result[0] = (torch.cuda.max_memory_allocated() - before) / 2**20
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # reset VmHWM to the current RSS
-        before = _status_kib("VmRSS")
-    except OSError:
-        yield result  # not Linux, or not allowed: report n/a
-        return
-    yield result
-    result[0] = (_status_kib("VmHWM") - before) / 1024
-
-
 # -- one variant --------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-
-
-def _all_ranks_agree(ok: bool) -> bool:
-    votes: list[bool | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(votes, ok)
-    return all(votes)
-
-
 def _step(layer: torch.nn.Module, x: torch.Tensor, cotangent: torch.Tensor, backward: bool) -> torch.Tensor:
     x.grad = None
     out = layer(x)
@@ -160,7 +112,7 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
             result.max_error = (out.full_tensor() - reference).abs().max().item()
         except Exception as error:
             result.status = f"forward crashes ({type(error).__name__}: {str(error)[:80]})"
-        if not _all_ranks_agree(result.status == "ok"):
+        if not all_ranks_agree(result.status == "ok"):
             result.status = result.status if result.status != "ok" else "forward crashes on another rank"
             return result
         backward_works = True
@@ -172,33 +124,27 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
             backward_works = False
             result.status = f"backward crashes ({type(error).__name__}: {str(error)[:80]})"
         # Every rank must agree before timing collectives: a rank-local crash would desynchronize.
-        backward_works = _all_ranks_agree(backward_works)
+        backward_works = all_ranks_agree(backward_works)
         if not backward_works and result.status == "ok":
             result.status = "backward crashes on another rank"
 
-        _sync(device)
+        sync(device)
         with peak_memory(device) as peak:
             _step(sharded_layer, x, cotangent, backward_works)
         result.peak_mib = peak[0]
 
         times = []
         for _ in range(args.repeats):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             _step(sharded_layer, x, cotangent, backward_works)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         result.median_ms = statistics.median(times) * 1e3
     return result
 
 
 # -- report ---------------------------------------------------------------------------------------
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
-
-
 def markdown_table(results: list[RankResult]) -> str:
     """One row per (variant, rank)."""
     lines = [
@@ -209,8 +155,8 @@ def markdown_table(results: list[RankResult]) -> str:
     for r in sorted(results, key=lambda r: (VARIANTS.index(r.variant), r.rank)):
         timed = "fwd+bwd" if r.backward_calls is not None else "fwd only"
         lines.append(
-            f"| {r.variant} | {r.rank} | {r.local_rows} | {r.forward_calls} | {_fmt_bytes(r.forward_bytes)} "
-            f"| {'-' if r.backward_calls is None else r.backward_calls} | {_fmt_bytes(r.backward_bytes)} "
+            f"| {r.variant} | {r.rank} | {r.local_rows} | {r.forward_calls} | {fmt_bytes(r.forward_bytes)} "
+            f"| {'-' if r.backward_calls is None else r.backward_calls} | {fmt_bytes(r.backward_bytes)} "
             f"| {'n/a' if r.peak_mib is None else f'{r.peak_mib:.1f} MiB'} | {r.median_ms:.1f} ms ({timed}) "
             f"| {r.max_error:.1e} | {r.status} |"
         )
@@ -219,7 +165,7 @@ def markdown_table(results: list[RankResult]) -> str:
 
 def run(args: argparse.Namespace) -> None:
     """Body of every rank: both variants, then rank 0 prints the table."""
-    _pin_mmap_threshold()
+    pin_mmap_threshold()
     import physicsnemo_shardext
 
     manager = physicsnemo_shardext.initialize()  # gloo on CPU, NCCL on GPU
@@ -241,21 +187,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 # -- launching ------------------------------------------------------------------------------------
-def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)  # like torchrun's OMP_NUM_THREADS=1
-    run(args)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not launched by torchrun")
@@ -272,10 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        run(args)  # launched by torchrun
-    else:
-        torch.multiprocessing.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
+    launch(run, args, args.nproc)  # inline under torchrun, else spawns --nproc gloo CPU ranks
     return 0
 
 

@@ -21,6 +21,10 @@ backward. Plain-tensor inputs call the original forward unchanged. Under
 ``torch.compile`` the sharded filter runs eagerly behind one graph break (the rest
 of the model is compiled); see ``physicsnemo_shardext.primitives.compilation``.
 
+The plugin waits for ``physicsnemo.nn.module.afno_layers`` (``shardext_import_after``):
+importing ``physicsnemo_shardext`` does not import ``physicsnemo.nn``, and the wrapper
+is installed right after a program imports the layer's module, before any layer exists.
+
 Refused: nothing here; the layer's ops inside are handled, delegated or refused by
 the families above (this plugin only changes where its scratch buffers live).
 
@@ -56,13 +60,16 @@ from typing import Any
 
 import torch
 from physicsnemo.domain_parallel import ShardTensor
-from physicsnemo.nn.module.afno_layers import AFNO2DLayer
 
 from physicsnemo_shardext import PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import sharded_allocations
 
-__all__ = ["shard_aware_forward"]
+__all__ = ["AFNO_LAYERS", "shard_aware_forward"]
+
+AFNO_LAYERS = "physicsnemo.nn.module.afno_layers"
+"""The module this plugin patches. Importing it costs seconds (``physicsnemo.nn``), so the
+plugin loads once a program imports it (``shardext_import_after``), never before."""
 
 
 def shard_aware_forward(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -104,10 +111,22 @@ def shard_aware_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+@hookimpl
+def shardext_import_after() -> list[str]:
+    """Load once ``physicsnemo.nn.module.afno_layers`` is imported (before any AFNO2DLayer exists).
+
+    Examples:
+        >>> shardext_import_after()
+        ['physicsnemo.nn.module.afno_layers']
+    """
+    return [AFNO_LAYERS]
+
 
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Wrap ``AFNO2DLayer.forward`` (the current one, so that removing the plugin restores it exactly)."""
+    from physicsnemo.nn.module.afno_layers import AFNO2DLayer  # imported already: see shardext_import_after
+
     patches.replace_attribute(
         AFNO2DLayer,
         "forward",

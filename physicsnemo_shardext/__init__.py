@@ -35,7 +35,8 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from importlib import metadata
 from typing import Any
 
@@ -59,7 +60,7 @@ from physicsnemo_shardext.errors import (
     ShardextWarning,
     UndeclaredPatchError,
 )
-from physicsnemo_shardext.loader import PluginLoader
+from physicsnemo_shardext.loader import PluginLoader, resume_ready
 from physicsnemo_shardext.markers import hookimpl
 from physicsnemo_shardext.provenance import InstalledPatch, PluginInfo, PluginReport
 from physicsnemo_shardext.registry import PatchRegistry
@@ -147,9 +148,18 @@ def disabled(plugins: Iterable[str] = (), targets: Iterable[Any] = ()) -> Any:
     return _registry.disabled(plugins=plugins, targets=targets)
 
 
-def sandbox() -> Any:
-    """Context manager restoring ShardTensor's registries and the plugin registry on exit."""
-    return _registry.sandbox()
+@contextlib.contextmanager
+def sandbox() -> Iterator[Any]:
+    """Context manager restoring ShardTensor's registries and the plugin registry on exit.
+
+    A plugin deferred until a module's import, which loaded inside the sandbox, is
+    undone with it; it loads again on exit, since that import will not happen twice.
+    """
+    try:
+        with _registry.sandbox() as inner:
+            yield inner
+    finally:
+        resume_ready(_registry)
 
 
 ensure_builtin_patches()

@@ -7,7 +7,10 @@ node, whatever the import order.
 
 The registry state right after the built-ins are present is the *baseline*:
 every undo returns to it, and "overrides a built-in" means "replaces a
-baseline handler".
+baseline handler". On a CPU machine a few built-ins arrive later, when the
+module holding their targets is imported (`physicsnemo_shardext.lazy_builtins`):
+they join the baseline then, are never taken for a plugin's own write, and
+survive the restore of an older snapshot (`late_builtins`).
 
 Examples:
     >>> from physicsnemo_shardext.baseline import baseline, ensure_builtin_patches
@@ -22,11 +25,24 @@ from collections.abc import Callable
 from typing import Any
 
 from physicsnemo_shardext import shard_registries
-from physicsnemo_shardext.shard_registries import PatchLevel, RegistrySnapshot
+from physicsnemo_shardext.lazy_builtins import LateSlots
+from physicsnemo_shardext.shard_registries import PatchLevel, RegistryChange, RegistrySnapshot
 
-__all__ = ["baseline", "builtin_handler", "ensure_builtin_patches", "handler_origin"]
+__all__ = [
+    "baseline",
+    "builtin_handler",
+    "ensure_builtin_patches",
+    "handler_origin",
+    "is_late_builtin",
+    "late_builtins",
+]
 
 _baseline: RegistrySnapshot | None = None
+#: Built-ins registered after the baseline was first taken, by (table, key).
+_late: dict[tuple[str, Any], Callable[..., Any]] = {}
+_LEVEL_OF_TABLE = {
+    shard_registries.table_name(level): level for level in (PatchLevel.FUNCTION, PatchLevel.NAMED, PatchLevel.DISPATCH)
+}
 
 
 def ensure_builtin_patches() -> None:
@@ -34,12 +50,67 @@ def ensure_builtin_patches() -> None:
     global _baseline
     if _baseline is not None:
         return
-    import physicsnemo.domain_parallel as domain_parallel
+    from physicsnemo_shardext.lazy_builtins import register_builtins
 
-    # Importing the patch modules registers them; Python's module cache makes
-    # a second call (e.g. PhysicsNeMo's own, on GPU machines) a no-op.
-    domain_parallel.register_custom_ops()
+    # Importing the patch modules registers them; Python's module cache makes a second
+    # call (e.g. PhysicsNeMo's own, on GPU machines) a no-op. The modules that need
+    # physicsnemo.nn are deferred until something can call them (see lazy_builtins).
+    register_builtins(_add_to_baseline)
     _baseline = shard_registries.snapshot()
+    shard_registries.on_restore(_reapply_late_builtins)
+
+
+def _add_to_baseline(slots: LateSlots) -> None:
+    """Built-ins registered late (after their targets' module was imported) join the baseline."""
+    global _baseline
+    if _baseline is None:
+        return  # registered while the built-ins are set up: the baseline snapshot will hold them
+    from physicsnemo.domain_parallel import ShardTensor
+
+    tables = _baseline.as_dicts()
+    for table, key in slots:
+        handler = getattr(ShardTensor, table)[key]
+        tables[table][key] = _late[(table, key)] = handler
+    _baseline = RegistrySnapshot(tables=tuple((name, tuple(items.items())) for name, items in tables.items()),
+                                 rebound=_baseline.rebound)
+
+
+def late_builtins() -> dict[tuple[str, Any], Callable[..., Any]]:
+    """``{(table, key): handler}`` of the built-ins registered after the baseline was first taken.
+
+    A plugin being loaded when they arrive did not write them (the loader ignores
+    them), and restoring a snapshot older than them keeps them (`shard_registries.restore`).
+
+    Examples:
+        >>> import physicsnemo.nn.functional.natten as natten
+        >>> late_builtins().get(("_function_registry", natten.na2d)) is builtin_handler(natten.na2d)
+        True
+    """
+    return dict(_late)
+
+
+def is_late_builtin(change: RegistryChange) -> bool:
+    """Whether ``change`` is the arrival of a late built-in (not anyone's own write).
+
+    Examples:
+        >>> import torch
+        >>> is_late_builtin(RegistryChange("_function_registry", torch.roll, None, print))
+        False
+    """
+    return change.before is None and change.after is not None and _late.get((change.table, change.key)) is change.after
+
+
+def _reapply_late_builtins(restored: RegistrySnapshot) -> None:
+    """A snapshot older than a late built-in lacks it: put it back (it is part of the baseline now).
+
+    A snapshot cannot tell a built-in that did not exist yet from one removed on
+    purpose; `PatchRegistry.disabled` removes its targets again when it exits.
+    """
+    tables = restored.as_dicts()
+    for (table, key), handler in _late.items():
+        level = _LEVEL_OF_TABLE.get(table)
+        if level is not None and key not in tables.get(table, {}):
+            shard_registries.set_handler(level, key, handler)
 
 
 def baseline() -> RegistrySnapshot:

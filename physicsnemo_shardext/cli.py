@@ -6,6 +6,7 @@ Usage:
 shardext list [--json] [--plugin NAME]   # every handler with its provenance
 shardext doctor [--json]                 # versions, backends, plugin health, conflicts
 shardext new NAME [--dir DIR]            # write a plugin distribution to start a patch from
+shardext schema list|doctor|verify       # the JSON Schema of a --json output (no torch import)
 shardext verify MODULE:FACTORY --input 1x3x64x64 --shard 2 --ranks 2   # a model sharded vs single-process
 python -m physicsnemo_shardext list      # same, without the console script
 ```
@@ -56,7 +57,8 @@ __all__ = [
 #: Version of the ``--json`` layout. 2 added ``schema_version``, ``errors``, and per handler
 #: row ``recorded_handler``, ``drift`` and ``drift_reason`` (``handler`` is now the live one).
 #: 3 added per handler row ``claimants``, the ``status`` value ``unresolved``, and a row for
-#: every slot plugins tie on unresolved; ``doctor``'s ``conflicts`` are unchanged.
+#: every slot plugins tie on unresolved; ``doctor``'s ``conflicts`` are unchanged. Within 3, the
+#: plugin ``status`` value ``deferred`` was added (the awaited module is named in ``reason``).
 #: Equal to ``inventory.SCHEMA_VERSION`` (not imported: this module must import without torch).
 JSON_SCHEMA_VERSION = 3
 
@@ -65,7 +67,7 @@ T = TypeVar("T")
 CLI_MODULES = ("physicsnemo_shardext", "physicsnemo_shardext.cli")
 
 #: Subcommands that import neither torch nor PhysicsNeMo (nor load plugins).
-TORCH_FREE_COMMANDS = frozenset({"new"})
+TORCH_FREE_COMMANDS = frozenset({"new", "schema"})
 
 #: Names the console script has (``sys.argv[0]``'s base name, as pip writes it per platform).
 _SCRIPT_NAMES = frozenset({"shardext", "shardext.exe", "shardext-script.py"})
@@ -281,7 +283,11 @@ def _write_listing(handlers: list[dict[str, Any]], plugins: list[dict[str, Any]]
     if drifted:
         out.write("\nHandlers ShardTensor calls that are not the recorded ones:\n")
         _table(drifted, ["target", "level", "handler", "recorded_handler", "drift_reason"], out)
-    problems = [p for p in plugins if p["status"] != "loaded"]
+    waiting = [p for p in plugins if p["status"] == "deferred"]
+    if waiting:
+        out.write("\nPlugins waiting for a module (installed right after it is imported):\n")
+        _table(waiting, ["plugin", "distribution", "version", "status", "reason"], out)
+    problems = [p for p in plugins if p["status"] not in ("loaded", "deferred")]
     if problems:
         out.write("\nPlugins not installed:\n")
         _table(problems, ["plugin", "distribution", "version", "status", "reason"], out)
@@ -428,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dir", dest="directory", metavar="DIR", help="where to write it (default: ./NAME); must not exist or be empty"
     )
     new.set_defaults(run=_command_new)
+    schema = commands.add_parser(
+        "schema",
+        help="print the JSON Schema of a command's --json output (list, doctor or verify; no torch import)",
+    )
+    schema.add_argument("schema_of", metavar="COMMAND", choices=["list", "doctor", "verify"])
+    schema.set_defaults(run=_command_schema)
     verify = commands.add_parser(
         "verify",
         help="run a model sharded and single-process: op-by-op handlers, collectives, errors, gradients",
@@ -439,6 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_arguments(verify)
     verify.set_defaults(run=_command_verify)
     return parser
+
+
+def _command_schema(args: argparse.Namespace, out: TextIO) -> int:
+    from physicsnemo_shardext.json_schemas import SCHEMAS  # the standard library only
+
+    out.write(json.dumps(SCHEMAS[args.schema_of], indent=2) + "\n")
+    return 0
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from physicsnemo_shardext.errors import InvalidPatchDeclaration
-from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
-from physicsnemo_shardext.targets import describe_target, infer_level, resolve_target, validate_handler
+from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel, SlotKey
+from physicsnemo_shardext.targets import describe_target, lookup_keys, resolve_slot, validate_handler
 
 __all__ = ["DispatchHandler", "FunctionHandler", "PatchDeclaration", "PatchSet"]
 
@@ -67,6 +67,16 @@ class PatchDeclaration:
         """Identity of the registry slot this declaration claims."""
         return (self.level, self.target)
 
+    @property
+    def slots(self) -> tuple[SlotKey, ...]:
+        """Every slot the handler is installed in: `key` first, then the other keys of the same op.
+
+        A custom op's only overload is also looked up under its packet's name
+        (``"mylib.op"`` for ``torch.ops.mylib.op(x)``), so one declaration
+        fills both; every other declaration fills its `key` alone.
+        """
+        return tuple((self.level, key) for key in lookup_keys(self.target, self.level))
+
 
 def _first_doc_line(handler: Callable[..., Any]) -> str:
     """First line of a handler's docstring, or ``""``."""
@@ -105,8 +115,7 @@ class PatchSet:
         """Declare a patch; raises `InvalidPatchDeclaration` naming plugin and target."""
         name = describe_target(target)
         try:
-            resolved_level = PatchLevel(level) if level is not None else infer_level(target)
-            key = resolve_target(target, resolved_level)
+            resolved_level, key = resolve_slot(target, level)
             name = describe_target(key)
             validate_handler(handler, resolved_level, key)
             if not isinstance(priority, int) or isinstance(priority, bool):
@@ -125,15 +134,40 @@ class PatchSet:
         )
 
     def function(self, target: Any, handler: FunctionHandler, **options: Any) -> None:
-        """Declare a ``__torch_function__`` handler ``handler(func, types, args, kwargs)``."""
+        """Declare a ``__torch_function__`` handler ``handler(func, types, args, kwargs)``.
+
+        A custom op given here is declared at the named level, as by `named`.
+        """
         self.declare(target, handler, level=PatchLevel.FUNCTION, **options)
 
     def dispatch(self, target: Any, handler: DispatchHandler, **options: Any) -> None:
-        """Declare a ``__torch_dispatch__`` handler for an aten OpOverload."""
+        """Declare a ``__torch_dispatch__`` handler for an aten OpOverload.
+
+        A custom op reaches ``__torch_dispatch__`` only below ``__torch_function__``
+        (code traced by ``torch.compile``); for its eager calls declare it with `named`.
+        """
         self.declare(target, handler, level=PatchLevel.DISPATCH, **options)
 
-    def named(self, target: str, handler: FunctionHandler, **options: Any) -> None:
-        """Declare a handler for a custom op by name (``"mylib.op.default"``)."""
+    def named(self, target: Any, handler: FunctionHandler, **options: Any) -> None:
+        """Declare a ``__torch_function__`` handler for a custom op, ``handler(func, types, args, kwargs)``.
+
+        ``target`` may be any form of the op, and all of them claim the same
+        slot: the ``CustomOpDef`` that ``torch.library.custom_op`` returns,
+        ``torch.ops.mylib.op``, ``torch.ops.mylib.op.default``, ``"mylib::op"``
+        or ``"mylib.op.default"``. The handler then runs for every way of
+        calling the op: ``torch.ops.mylib.op(x)``, ``torch.ops.mylib.op.default(x)``
+        and the ``CustomOpDef`` itself (``func`` is the packet for the first
+        call form, the overload for the other two). `declare` and `function`
+        treat a custom op the same way.
+
+        Examples:
+            >>> import torch
+            >>> patches = PatchSet("demo")
+            >>> def flip_handler(func, types, args, kwargs): ...
+            >>> patches.named("aten::flip.default", flip_handler)
+            >>> [(d.target_name, d.level.value) for d in patches]
+            [('aten.flip.default', 'named')]
+        """
         self.declare(target, handler, level=PatchLevel.NAMED, **options)
 
     def replace_attribute(

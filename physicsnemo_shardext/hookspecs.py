@@ -33,12 +33,12 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from physicsnemo_shardext.declarations import PatchSet
 from physicsnemo_shardext.markers import hookspec
 
-__all__ = ["shardext_declare_patches", "shardext_requirements"]
+__all__ = ["shardext_declare_patches", "shardext_import_after", "shardext_requirements"]
 
 
 @hookspec
@@ -61,6 +61,30 @@ def shardext_requirements() -> Mapping[str, str]:  # type: ignore[empty-body]  #
         ...     return {"nvidia-physicsnemo": ">=2.2,<2.3"}
         >>> shardext_requirements()
         {'nvidia-physicsnemo': '>=2.2,<2.3'}
+    """
+
+
+@hookspec
+def shardext_import_after() -> Sequence[str]:  # type: ignore[empty-body]  # a spec: no body
+    """Name the modules this plugin patches, so that it loads only once they are imported.
+
+    Return module names, e.g. ``["physicsnemo.nn.module.afno_layers"]``. While
+    one of them is not imported, the plugin's ``shardext_declare_patches`` does
+    not run: its status is ``deferred``, with the module it waits for, and it
+    loads (and installs) right after that module's import finishes, whoever
+    imports it. A plugin for a heavy module then costs nothing to a program
+    that never imports it, and must not import that module at its own top level.
+
+    Called once per plugin, after `shardext_requirements`. A plugin whose modules
+    are all imported already loads at once.
+
+    Examples:
+        >>> from physicsnemo_shardext import hookimpl
+        >>> @hookimpl
+        ... def shardext_import_after():
+        ...     return ["physicsnemo.nn.module.afno_layers"]
+        >>> shardext_import_after()
+        ['physicsnemo.nn.module.afno_layers']
     """
 
 

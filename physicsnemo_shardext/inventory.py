@@ -58,7 +58,8 @@ __all__ = [
 #: row ``recorded_handler``, ``live_provider``, ``table``, ``status``, ``drift``, ``drift_reason``;
 #: 3: adds per row ``claimants`` and the ``status`` value ``unresolved``, and a row for every slot
 #: that plugins tie on at equal priority with nothing resolving it (even when ShardTensor has no
-#: handler there: then ``handler`` is ``null`` and ``provider`` is ``null``).
+#: handler there: then ``handler`` is ``null`` and ``provider`` is ``null``); within 3, the plugin
+#: ``status`` value ``deferred`` was added (a plugin waiting for a module, named in ``reason``).
 SCHEMA_VERSION = 3
 
 T = TypeVar("T")
@@ -336,7 +337,10 @@ def handler_rows(registry: PatchRegistry, run: Runner = _direct) -> list[dict[st
 
 
 def plugin_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
-    """One row per plugin the loader saw: loaded, failed, blocked or incompatible."""
+    """One row per plugin the loader saw: loaded, failed, blocked, incompatible or deferred.
+
+    A ``deferred`` row's ``reason`` names the module the plugin waits for.
+    """
     return [
         {
             "plugin": report.plugin.name,

@@ -7,11 +7,24 @@ For every entry point in the ``physicsnemo_shardext`` group the loader:
    other plugin's (see *Names* below);
 3. imports it and registers it with pluggy;
 4. asks its ``shardext_requirements`` hook and skips it if a range is not met;
-5. collects its ``shardext_declare_patches`` into a fresh
+5. asks its ``shardext_import_after`` hook: while a module named there is not
+   imported, the plugin is *deferred* (below);
+6. collects its ``shardext_declare_patches`` into a fresh
    `PatchSet`;
-6. hands the whole set to the `PatchRegistry`.
+7. hands the whole set to the `PatchRegistry`.
 
-**Failures.** Whatever a plugin raises during steps 3-6 -- any ``Exception``, and
+**Deferred plugins.** A plugin waiting for a module gets a ``deferred`` report naming
+it; right after that module's import (whoever imports it, see
+`physicsnemo_shardext.import_hooks`) steps 6-7 run for the same plugin, guarded the
+same way, and its report becomes ``loaded`` or ``failed``. A blocked plugin is never
+deferred. A deferred plugin is not loaded yet: ``remove_plugin`` does not know it,
+``disabled(plugins=...)`` applies to it once it loads. One that loads inside
+``sandbox()`` is undone with everything else when the sandbox exits (its report is
+``deferred`` again; `resume_ready`, or the next ``load_plugins()``, loads it). A failure at that late
+point is reported and warned about, in strict mode too: raising there would break
+the import of an unrelated module.
+
+**Failures.** Whatever a plugin raises during steps 3-7 -- any ``Exception``, and
 also ``SystemExit``, ``GeneratorExit``, subclasses of ``KeyboardInterrupt`` and
 any other ``BaseException`` -- unregisters the plugin, leaves the registries
 exactly as they were before it, warns with the distribution, version and
@@ -33,7 +46,9 @@ after its import and after each hook. Any difference is the plugin's own write
 rolled back at once, so it never reaches the next plugin, and the plugin fails
 with an `UndeclaredPatchError` that says
 which ``patches.*`` declaration to use instead. Only the framework's install
-(step 6) writes into the registries.
+(step 7) writes into the registries, apart from PhysicsNeMo's built-ins that arrive
+when a plugin imports their module (`physicsnemo_shardext.baseline.late_builtins`):
+those are neither blamed on the plugin nor rolled back.
 
 **Names.** A plugin is identified by (distribution, entry-point name); names are
 compared like user selectors (case and ``-``/``_`` ignored). Entry-point names
@@ -64,6 +79,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
+import sys
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -74,7 +91,7 @@ from typing import Any
 import pluggy
 
 from physicsnemo_shardext import hookspecs, shard_registries
-from physicsnemo_shardext.requirements import incompatibility
+from physicsnemo_shardext.baseline import is_late_builtin
 from physicsnemo_shardext.declarations import PatchSet
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
@@ -85,9 +102,11 @@ from physicsnemo_shardext.errors import (
     UndeclaredPatchError,
     is_user_interrupt,
 )
+from physicsnemo_shardext.import_hooks import call_after_import
 from physicsnemo_shardext.markers import DISTRIBUTION_NAME, PROJECT_NAME
 from physicsnemo_shardext.provenance import LoadStatus, PluginInfo, PluginReport
 from physicsnemo_shardext.registry import PatchRegistry
+from physicsnemo_shardext.requirements import incompatibility
 from physicsnemo_shardext.settings import Settings
 from physicsnemo_shardext.shard_registries import RegistryChange, RegistrySnapshot
 from physicsnemo_shardext.targets import describe_handler, describe_target
@@ -100,11 +119,16 @@ __all__ = [
     "first_party_names",
     "name_clashes",
     "plugin_info_for",
+    "resume_ready",
     "unknown_selector_message",
 ]
 
 ENTRY_POINT_GROUP = PROJECT_NAME
+
+#: Every deferral made in this process: (loader, its deferred report, plugin, modules); see `resume_ready`.
+_deferrals: list[tuple[PluginLoader, PluginReport, Any, tuple[str, ...]]] = []
 NAME_CHECK_STAGE = "name check"
+IMPORT_AFTER_STAGE = "shardext_import_after"
 
 
 def discover_entry_points(group: str = ENTRY_POINT_GROUP) -> list[metadata.EntryPoint]:
@@ -256,7 +280,7 @@ def undeclared_patch_error(changes: Sequence[RegistryChange]) -> UndeclaredPatch
 _NOT_IMPORTED = object()
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: nested loads are told apart in `_loading`
 class _Attempt:
     """One plugin's load in progress: how far it got and what undoing it must put back."""
 
@@ -297,6 +321,8 @@ class PluginLoader:
         self.settings = settings
         self.plugin_manager = pluggy.PluginManager(PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
+        # Deferred plugins whose import hook has not fired yet, by identity: their current report.
+        self._waiting: dict[tuple[str, str], PluginReport] = {}
 
     def load_entry_points(self, entry_points: Iterable[metadata.EntryPoint] | None = None) -> list[PluginReport]:
         """Load the given entry points (default: all discovered ones); returns one report each.
@@ -312,15 +338,16 @@ class PluginLoader:
         pending = self._pending(entry_points, reports)
         clashes = name_clashes(
             [info for _, info in pending],
-            self.registry.plugins(),
+            self.registry.plugins() + [r.plugin for r in self.registry.reports() if r.status is LoadStatus.DEFERRED],
             first_party_names() | {_plugin_name_key(info.name) for _, info in pending if _is_first_party(info)},
         )
         # Refusals first, in a fixed order, so strict mode stops on the same one whatever the discovery order.
         for info in sorted(clashes, key=lambda i: (i.name, i.distribution)):
             reports.append(self._fail(info, NAME_CHECK_STAGE, clashes[info]))
         for entry_point, info in pending:
-            if info not in clashes:
-                reports.append(self._load(info, entry_point.load))
+            if info in clashes or _identity(info) in {_identity(p) for p in self.registry.plugins()}:
+                continue  # refused, or a deferred plugin that an earlier one's import has just loaded
+            reports.append(self._load(info, entry_point.load))
         return reports
 
     def load_plugin(self, plugin: Any, info: PluginInfo) -> PluginReport:
@@ -362,11 +389,12 @@ class PluginLoader:
     ) -> list[tuple[metadata.EntryPoint, PluginInfo]]:
         """Entry points still to load: not loaded already, not duplicated, not blocked (reported here)."""
         seen = {_identity(info) for info in self.registry.plugins()}
+        seen |= {identity for identity, report in self._waiting.items() if self._is_current(report)}
         pending = []
         for entry_point in entry_points:
             info = plugin_info_for(entry_point)
             if _identity(info) in seen:
-                continue  # loading twice (e.g. a second load_plugins() call) is a no-op
+                continue  # loading twice (e.g. a second load_plugins() call) is a no-op; so is waiting
             seen.add(_identity(info))
             blocked = self._blocked_reason(info)
             if blocked is not None:
@@ -377,15 +405,25 @@ class PluginLoader:
 
     def _load(self, info: PluginInfo, obtain: Callable[[], Any] | None, plugin: Any = _NOT_IMPORTED) -> PluginReport:
         """Run every stage for one plugin; on any failure put everything back and report it."""
-        attempt = _Attempt(info, shard_registries.snapshot(), frozenset(p.name for p in self.registry.plugins()))
-        attempt.plugin = plugin
+        attempt = self._attempt(info, plugin)
+        return self._guarded(attempt, lambda: self._run_stages(attempt, obtain))
+
+    def _attempt(self, info: PluginInfo, plugin: Any) -> _Attempt:
+        held = frozenset(p.name for p in self.registry.plugins())
+        return _Attempt(info, shard_registries.snapshot(), held, plugin=plugin)
+
+    def _guarded(self, attempt: _Attempt, stages: Callable[[], PluginReport], *, late: bool = False) -> PluginReport:
+        """Run ``stages``; on any exception undo the attempt and report it (``late``: never raise)."""
+        _loading.stack.append(attempt)
         try:
-            report = self._run_stages(attempt, obtain)
+            report = stages()
         except BaseException as error:  # SystemExit & co. included: a plugin never ends the program
             stray = self._undo(attempt)
             if is_user_interrupt(error):
                 raise
-            return self._fail(info, attempt.stage, error, stray)
+            return self._fail(attempt.info, attempt.stage, error, stray, late=late)
+        finally:
+            _loading.stack.remove(attempt)
         if report.status is LoadStatus.INCOMPATIBLE:
             self._skip_incompatible(report)
         return report
@@ -407,6 +445,26 @@ class PluginLoader:
         if reason is not None:
             self._unregister(attempt)
             return self._report(PluginReport(info, LoadStatus.INCOMPATIBLE, reason, stage=attempt.stage))
+        attempt.stage = IMPORT_AFTER_STAGE
+        modules = self._import_after(plugin)
+        self._check_untouched(attempt)
+        return self._declare_when_imported(attempt, modules)
+
+    def _declare_when_imported(self, attempt: _Attempt, modules: Sequence[str]) -> PluginReport:
+        """Declare and install now if every module is imported, else wait for the first missing one."""
+        waiting = next((name for name in modules if name not in sys.modules), None)
+        if waiting is None:
+            return self._declare_and_install(attempt)
+        info, plugin = attempt.info, attempt.plugin
+        reason = f"loads once {waiting} is imported (shardext_import_after)"
+        report = self._report(PluginReport(info, LoadStatus.DEFERRED, reason, stage=IMPORT_AFTER_STAGE))
+        self._waiting[_identity(info)] = report
+        _deferrals.append((self, report, plugin, tuple(modules)))
+        call_after_import(waiting, lambda: self._resume(report, plugin, modules))
+        return report
+
+    def _declare_and_install(self, attempt: _Attempt) -> PluginReport:
+        info, plugin = attempt.info, attempt.plugin
         attempt.stage = "shardext_declare_patches"
         patches = PatchSet(plugin=info.name)
         self._hook_for(plugin, "shardext_declare_patches")(patches=patches)
@@ -416,10 +474,39 @@ class PluginLoader:
         extra = {"not_applicable": list(patches.not_applicable)} if patches.not_applicable else {}
         return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches), extra=extra))
 
+    def _resume(self, deferred: PluginReport, plugin: Any, modules: Sequence[str]) -> None:
+        """A module a deferred plugin waits for was imported: run its remaining stages.
+
+        Nothing happens when ``deferred`` is no longer the plugin's report (a sandbox
+        that deferred it has exited, or a later ``load_plugins()`` took it over).
+        """
+        info = deferred.plugin
+        if self._waiting.get(_identity(info)) is deferred:
+            del self._waiting[_identity(info)]
+        attempt = self._attempt(info, plugin)
+        attempt.was_registered = False  # registered when it was deferred: a failure unregisters it
+        if not self._is_current(deferred):
+            self._unregister(attempt)
+            return
+        attempt.stage = IMPORT_AFTER_STAGE
+        start = shard_registries.snapshot()
+        try:
+            self._guarded(attempt, lambda: self._declare_when_imported(attempt, modules), late=True)
+        finally:
+            # Imported while another plugin loads (it imported the module): what the framework
+            # installed for this one is not that plugin's write, and its undo keeps it.
+            installed = start.changes(shard_registries.snapshot())
+            for outer in _loading.stack:
+                outer.before = _with_changes(outer.before, installed)
+
+    def _is_current(self, report: PluginReport) -> bool:
+        """Whether ``report`` is still the registry's report for its plugin."""
+        return any(each is report for each in self.registry.reports())
+
     @staticmethod
     def _check_untouched(attempt: _Attempt) -> None:
         """Raise if the plugin wrote into ShardTensor's registries itself (rolled back by the caller)."""
-        changes = attempt.before.changes(shard_registries.snapshot())
+        changes = _own_changes(attempt.before)
         if changes:
             raise undeclared_patch_error(changes)
 
@@ -428,8 +515,8 @@ class PluginLoader:
         self._unregister(attempt)
         if attempt.info.name not in attempt.held_before and attempt.info.name in {p.name for p in self.registry.plugins()}:
             self.registry.remove_plugin(attempt.info.name)  # interrupted or failed after the install
-        stray = [] if attempt.stage == "install" else attempt.before.changes(shard_registries.snapshot())
-        shard_registries.restore(attempt.before)
+        stray = [] if attempt.stage == "install" else _own_changes(attempt.before)
+        shard_registries.restore(attempt.before)  # late built-ins that arrived meanwhile are kept
         return [describe_change(change) for change in stray]
 
     def _unregister(self, attempt: _Attempt) -> None:
@@ -454,6 +541,17 @@ class PluginLoader:
         others = [p for p in self.plugin_manager.get_plugins() if p is not plugin]
         return self.plugin_manager.subset_hook_caller(hook_name, remove_plugins=others)
 
+    def _import_after(self, plugin: Any) -> list[str]:
+        modules: list[str] = []
+        for result in self._hook_for(plugin, "shardext_import_after")():
+            if isinstance(result, str) or not isinstance(result, Iterable):
+                raise ValueError(f"shardext_import_after must return a list of module names, got {result!r}")
+            names = list(result)
+            if not all(isinstance(name, str) and name for name in names):
+                raise ValueError(f"shardext_import_after must return module names (strings), got {names!r}")
+            modules += names
+        return modules
+
     def _requirements(self, plugin: Any) -> Mapping[str, str]:
         merged: dict[str, str] = {}
         for result in self._hook_for(plugin, "shardext_requirements")():
@@ -474,17 +572,72 @@ class PluginLoader:
         self.registry.record_report(report)
         return report
 
-    def _fail(self, info: PluginInfo, stage: str, error: BaseException, stray: Sequence[str] = ()) -> PluginReport:
-        """Record a failure; warn, or raise `PluginLoadError` in strict mode."""
+    def _fail(
+        self, info: PluginInfo, stage: str, error: BaseException, stray: Sequence[str] = (), *, late: bool = False
+    ) -> PluginReport:
+        """Record a failure; warn, or raise `PluginLoadError` in strict mode (never ``late``: in an import hook)."""
         detail = ""
         if stray and not isinstance(error, UndeclaredPatchError):
             detail = f"its writes into ShardTensor's registries outside the hooks were rolled back ({'; '.join(stray)})"
         failure = PluginLoadError(info.name, info.distribution, info.version, stage, error, detail=detail)
         report = self._report(PluginReport(info, LoadStatus.FAILED, str(failure), stage=stage))
-        if self.settings.strict:
+        if self.settings.strict and not late:
             if isinstance(error, PatchConflictError):
                 # An unresolved tie is not the plugin's fault alone: raise what the docs promise.
                 raise error
             raise failure from error
-        warnings.warn(f"{failure}; its patches were not installed", ShardextWarning, stacklevel=4)
+        when = " (it was deferred until a module's import)" if late else ""
+        warnings.warn(f"{failure}; its patches were not installed{when}", ShardextWarning, stacklevel=4)
         return report
+
+
+def resume_ready(registry: PatchRegistry) -> list[PluginReport]:
+    """Load the plugins of ``registry`` still ``deferred`` although their modules are imported now.
+
+    That happens when one loaded inside a ``sandbox()`` that has exited since (the
+    import that triggered it will not happen again). Returns their new reports.
+
+    Examples:
+        >>> from physicsnemo_shardext.registry import PatchRegistry
+        >>> resume_ready(PatchRegistry())
+        []
+    """
+    resumed = []
+    for loader, report, plugin, modules in list(_deferrals):
+        if loader.registry is not registry or not loader._is_current(report):
+            continue
+        if all(name in sys.modules for name in modules):
+            _deferrals.remove((loader, report, plugin, modules))
+            loader._resume(report, plugin, modules)
+            resumed += [r for r in registry.reports() if r.plugin == report.plugin]
+    return resumed
+
+
+class _Loading(threading.local):
+    """The plugin loads in progress on this thread, outermost first (a deferred load may nest in another)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Attempt] = []
+
+
+_loading = _Loading()
+
+
+def _with_changes(snap: RegistrySnapshot, changes: Sequence[RegistryChange]) -> RegistrySnapshot:
+    """``snap`` with ``changes`` applied on top (a table rebinding is left as it was)."""
+    tables = snap.as_dicts()
+    for change in changes:
+        if change.key is None:
+            continue
+        table = tables.setdefault(change.table, {})
+        if change.after is None:
+            table.pop(change.key, None)
+        else:
+            table[change.key] = change.after
+    return RegistrySnapshot(tables=tuple((name, tuple(items.items())) for name, items in tables.items()),
+                            rebound=snap.rebound)
+
+
+def _own_changes(before: RegistrySnapshot) -> list[RegistryChange]:
+    """What changed in ShardTensor's registries since ``before``, minus built-ins that arrived late."""
+    return [change for change in before.changes(shard_registries.snapshot()) if not is_late_builtin(change)]

@@ -88,12 +88,17 @@ class Conflict:
 
 
 class LoadStatus(str, Enum):
-    """Outcome of trying to load one plugin."""
+    """Outcome of trying to load one plugin.
+
+    ``DEFERRED``: the plugin waits for a module named by its ``shardext_import_after``
+    hook; its report is replaced by ``LOADED`` (or ``FAILED``) once that module is imported.
+    """
 
     LOADED = "loaded"
     FAILED = "failed"
     BLOCKED = "blocked"
     INCOMPATIBLE = "incompatible"
+    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from physicsnemo_shardext.provenance import Conflict, InstalledPatch, PluginInfo
 from physicsnemo_shardext.resolution import Resolution, resolve_claims
 from physicsnemo_shardext.shard_registries import PatchLevel, SlotKey, SlotState
 from physicsnemo_shardext.settings import current_name
-from physicsnemo_shardext.targets import infer_level, resolve_target
+from physicsnemo_shardext.targets import lookup_keys, resolve_slot
 from physicsnemo_shardext.trace import traced_handler
 
 __all__ = ["PatchRegistry"]
@@ -91,8 +91,7 @@ class PatchRegistry:
 
     def provenance(self, target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) -> InstalledPatch | None:
         """Provenance of the plugin handler installed for ``target``, or ``None``."""
-        level = PatchLevel(level)
-        return self._state.installed.get((level, resolve_target(target, level)))
+        return self._state.installed.get(resolve_slot(target, level))
 
     def conflicts(self) -> list[Conflict]:
         """Equal-priority claims found at the last resolution (resolved or not)."""
@@ -112,11 +111,10 @@ class PatchRegistry:
 
     def prior_handler(self, target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) -> Callable | None:
         """The handler ShardTensor held for ``target`` before any plugin replaced it."""
-        level = PatchLevel(level)
-        key = (level, resolve_target(target, level))
+        key = resolve_slot(target, level)
         if key in self._state.prior:
             return self._state.prior[key][0]
-        return shard_registries.current_handler(level, key[1])
+        return shard_registries.current_handler(*key)
 
     # -- changes ---------------------------------------------------------------------------
     def add_plugin(self, plugin: PluginInfo, declarations: Iterable[PatchDeclaration]) -> None:
@@ -132,7 +130,8 @@ class PatchRegistry:
                 plugin.name, "<plugin>", f"a plugin with this name is already loaded, from {holder.distribution}"
             )
         for declaration in declarations:
-            self._check_override(plugin, declaration)
+            for slot_declaration in _per_slot(declaration):
+                self._check_override(plugin, slot_declaration)
         candidate = copy.copy(self._state)
         candidate.plugins = {**self._state.plugins, plugin.name: (plugin, declarations)}
         self._commit(candidate)
@@ -185,6 +184,7 @@ class PatchRegistry:
         * ``targets``: callables, op names or OpOverloads whose handler is removed
           entirely, built-in included, so ShardTensor takes the DTensor fallback.
           Give ``(target, level)`` tuples to choose a level other than the inferred one.
+          A custom op, in any of its forms, is removed under every key it is looked up by.
 
         Examples:
             Inside the block ``F.gelu`` has no handler, so ShardTensor takes the DTensor fallback:
@@ -201,7 +201,7 @@ class PatchRegistry:
         saved = (self._state.disabled_plugins, self._state.disabled_targets)
         candidate = copy.copy(self._state)
         candidate.disabled_plugins = saved[0] + tuple(current_name(p) for p in plugins)
-        candidate.disabled_targets = saved[1] | frozenset(self._slot_of(t) for t in targets)
+        candidate.disabled_targets = saved[1] | frozenset(slot for t in targets for slot in self._slots_of(t))
         self._commit(candidate)
         try:
             yield
@@ -225,13 +225,13 @@ class PatchRegistry:
 
     # -- internals -------------------------------------------------------------------------
     @staticmethod
-    def _slot_of(target: Any) -> SlotKey:
+    def _slots_of(target: Any) -> tuple[SlotKey, ...]:
+        """Every slot of ``target`` (or of ``(target, level)``): its key and the other keys of the same op."""
+        level = None
         if isinstance(target, tuple):
             target, level = target
-            level = PatchLevel(level)
-        else:
-            level = infer_level(target)
-        return (level, resolve_target(target, level))
+        level, key = resolve_slot(target, level)
+        return tuple((level, each) for each in lookup_keys(key, level))
 
     def _prior_state(self, key: SlotKey) -> SlotState:
         if key in self._state.prior:
@@ -281,7 +281,13 @@ class PatchRegistry:
 
     def _commit(self, candidate: _RegistryState) -> None:
         """Resolve ``candidate``, check it, then write the difference into ShardTensor."""
-        winners, conflicts = resolve_claims(self._active_claims(candidate), self.prefer)
+        declared = self._active_claims(candidate)
+        winners, conflicts = resolve_claims(
+            [(info, claim) for info, declaration in declared for claim in _per_slot(declaration)], self.prefer
+        )
+        # A tie on a custom op's packet name repeats the tie on its overload: report the declared slot only.
+        primary = {(declaration.level.value, declaration.target_name) for _, declaration in declared}
+        conflicts = [c for c in conflicts if (c.level, c.target) in primary]
         unresolved = [c for c in conflicts if c.winner is None]
         if unresolved and self.strict:
             first = unresolved[0]
@@ -337,6 +343,15 @@ class PatchRegistry:
         return traced_handler(
             patch.declaration.handler, target=patch.declaration.target_name, plugin=patch.plugin.label
         )
+
+
+def _per_slot(declaration: PatchDeclaration) -> tuple[PatchDeclaration, ...]:
+    """One claim per slot the declaration fills: itself, then a copy for each other key of its op.
+
+    Each copy is resolved, installed, recorded and undone like a declaration of
+    its own, so a custom op's packet name follows its overload's exactly.
+    """
+    return (declaration, *(replace(declaration, target=target) for _, target in declaration.slots[1:]))
 
 
 def _copy_state(state: _RegistryState) -> _RegistryState:

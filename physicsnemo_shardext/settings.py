@@ -1,16 +1,22 @@
 """User switches read from environment variables.
 
-=====================  =====================================================
-Variable               Meaning
-=====================  =====================================================
-``SHARDEXT_AUTOLOAD``  ``0``/``false``/``no``/``off``: do not load plugins on import
-``SHARDEXT_DISABLE``   comma-separated plugin or distribution names never to load
-``SHARDEXT_ONLY``      comma-separated allow-list: load only these plugins
-``SHARDEXT_STRICT``    ``1``: anything but a clean load (failed, refused name, direct registry
-                       write, incompatible) or an unresolved conflict raises
-``SHARDEXT_PREFER``    comma-separated names, most preferred first, breaking equal-priority ties
-``SHARDEXT_TRACE``     ``1``: log every handler decision (``op -> handler -> plugin``)
-=====================  =====================================================
+==========================  =====================================================
+Variable                    Meaning
+==========================  =====================================================
+``SHARDEXT_AUTOLOAD``       ``0``/``false``/``no``/``off``: do not load plugins on import
+``SHARDEXT_DISABLE``        comma-separated plugin or distribution names never to load (a name
+                            matching nothing installed gives a ``ShardextWarning``)
+``SHARDEXT_ONLY``           comma-separated allow-list: load only these plugins (unknown names
+                            warn, as for ``SHARDEXT_DISABLE``)
+``SHARDEXT_STRICT``         ``1``: anything but a clean load (failed, refused name, direct registry
+                            write, incompatible) or an unresolved conflict raises
+``SHARDEXT_PREFER``         comma-separated names, most preferred first, breaking equal-priority ties
+``SHARDEXT_TRACE``          ``1``: log every handler decision (``op -> handler -> plugin``)
+``SHARDEXT_TEST_TIMEOUT``   seconds a multirank test may run (read by the pytest plugin per test)
+==========================  =====================================================
+
+`ENVIRONMENT_VARIABLES` holds the help string of every variable the package reads;
+`Settings` parses those read on import (all but ``SHARDEXT_TEST_TIMEOUT``).
 
 Examples:
     >>> settings = Settings.from_env({"SHARDEXT_DISABLE": "a, b-dist", "SHARDEXT_STRICT": "1"})
@@ -41,16 +47,28 @@ def current_name(name: str) -> str:
     """
     return RENAMED_PLUGINS.get(name, name)
 
+#: Every environment variable the package reads, with its help string.
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     "SHARDEXT_AUTOLOAD": "0/false/no/off: do not discover and install plugins on import",
-    "SHARDEXT_DISABLE": "comma-separated plugin (entry-point) or distribution names never to load",
-    "SHARDEXT_ONLY": "comma-separated allow-list of plugin or distribution names; others are blocked",
+    "SHARDEXT_DISABLE": (
+        "comma-separated plugin (entry-point) or distribution names never to load; a name that matches "
+        "no installed plugin or distribution gives a ShardextWarning naming the close matches"
+    ),
+    "SHARDEXT_ONLY": (
+        "comma-separated allow-list of plugin or distribution names; others are blocked (empty: block all); "
+        "a name that matches no installed plugin or distribution gives a ShardextWarning naming the close "
+        "matches (a warning in strict mode too)"
+    ),
     "SHARDEXT_STRICT": (
         "1: a plugin that does not load cleanly (failed, name refused, wrote into the registries itself, "
         "or incompatible) or an unresolved conflict raises instead of warning; blocked plugins are fine"
     ),
     "SHARDEXT_PREFER": "comma-separated plugin or distribution names, most preferred first, breaking ties",
     "SHARDEXT_TRACE": "1: wrap installed handlers and log 'op -> handler -> plugin' decisions",
+    "SHARDEXT_TEST_TIMEOUT": (
+        "seconds a @pytest.mark.multirank test may run before its hung ranks are reported (read by the pytest "
+        "plugin for each test; a marker's timeout= wins, and it wins over the ini option shardext_timeout)"
+    ),
 }
 
 _FALSE = {"0", "false", "no", "off"}

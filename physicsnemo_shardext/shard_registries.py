@@ -44,6 +44,7 @@ __all__ = [
     "SlotState",
     "current_handler",
     "iter_handlers",
+    "on_restore",
     "original_attribute",
     "remove_handler",
     "capture_slot",
@@ -266,11 +267,23 @@ def snapshot() -> RegistrySnapshot:
     )
 
 
+_restore_hooks: list[Callable[[RegistrySnapshot], None]] = []
+
+
+def on_restore(hook: Callable[[RegistrySnapshot], None]) -> None:
+    """Call ``hook(snap)`` after every `restore` (once per hook, however often it is added).
+
+    The baseline uses it to keep built-ins that arrived after ``snap`` was taken.
+    """
+    if hook not in _restore_hooks:
+        _restore_hooks.append(hook)
+
+
 def restore(snap: RegistrySnapshot) -> None:
     """Make the four registries and every touched attribute equal to ``snap`` again (in place).
 
     A registry attribute rebound to another dict since gets ShardTensor's original dict back
-    (unless it was already rebound when ``snap`` was taken).
+    (unless it was already rebound when ``snap`` was taken). Then the `on_restore` hooks run.
     """
     for name, items in snap.tables:
         if name == "attributes":
@@ -284,6 +297,8 @@ def restore(snap: RegistrySnapshot) -> None:
     replaced = dict(snap.as_dicts().get("attributes", {}))
     for target, original in list(_ORIGINAL_ATTRIBUTES.items()):
         _write_attribute(target, replaced.get(target, original))
+    for hook in list(_restore_hooks):
+        hook(snap)
 
 
 def current_handler(level: PatchLevel, target: Any) -> Callable | None:

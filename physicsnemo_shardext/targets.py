@@ -6,6 +6,19 @@ A *target* is what ShardTensor looks a handler up by: a Python callable
 checks that it exists and that the handler can be called the way its level
 calls it, and gives every target a readable name for messages and listings.
 
+**Custom ops.** ``__torch_function__`` sees a custom op (one defined with
+``torch.library``, in any namespace but torch's own ``aten`` and ``prims``) as
+the object the user called: the ``OpOverloadPacket`` for
+``torch.ops.mylib.op(x)``, the ``OpOverload`` for ``torch.ops.mylib.op.default(x)``
+and for the ``CustomOpDef`` that ``torch.library.custom_op`` returns. ShardTensor
+looks both up by ``str(func)`` in its named table, so a custom op is always a
+named-level target, whichever form names it: the packet, the overload, the
+``CustomOpDef``, or a string (``"mylib::op"``, ``"mylib.op"``,
+``"mylib.op.default"``). `resolve_slot` turns every form into one key, and
+`lookup_keys` gives the names a handler is installed under: the overload's
+and, when it is the op's only overload (always so for ``custom_op``), the
+packet's, so every call form reaches the handler.
+
 Examples:
     >>> import torch
     >>> from physicsnemo_shardext.targets import describe_target
@@ -25,7 +38,15 @@ import torch
 
 from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel
 
-__all__ = ["describe_handler", "describe_target", "infer_level", "resolve_target", "validate_handler"]
+__all__ = [
+    "describe_handler",
+    "describe_target",
+    "infer_level",
+    "lookup_keys",
+    "resolve_slot",
+    "resolve_target",
+    "validate_handler",
+]
 
 # Namespaces searched (in order) to give a callable its public dotted name.
 _PUBLIC_NAMESPACES: tuple[tuple[str, Any], ...] = (
@@ -36,6 +57,37 @@ _PUBLIC_NAMESPACES: tuple[tuple[str, Any], ...] = (
     ("torch.linalg", torch.linalg),
     ("torch.special", torch.special),
 )
+
+#: torch's own operator namespaces: their overloads are dispatch-level targets (aten ops
+#: reach ``__torch_dispatch__`` in backward and under compile); every other namespace holds custom ops.
+_TORCH_OP_NAMESPACES: frozenset[str] = frozenset({"aten", "prims"})
+
+_Op = torch._ops.OpOverload | torch._ops.OpOverloadPacket
+
+
+def _custom_op_def_type() -> Any:
+    """``torch.library.custom_op``'s ``CustomOpDef`` class (private in torch), if this torch has it."""
+    try:
+        from torch._library.custom_ops import CustomOpDef
+    except ImportError:  # pragma: no cover - torch < 2.4
+        return None
+    return CustomOpDef
+
+
+_CUSTOM_OP_DEF: Any = _custom_op_def_type()
+
+
+def _custom_op_def_overload(target: Any) -> torch._ops.OpOverload | None:
+    """The overload behind a ``CustomOpDef`` (what ``torch.library.custom_op`` returns), else ``None``."""
+    if _CUSTOM_OP_DEF is not None and isinstance(target, _CUSTOM_OP_DEF):
+        overload: torch._ops.OpOverload = target._opoverload
+        return overload
+    return None
+
+
+def _overload_names(packet: Any) -> list[str]:
+    """Overload names of an op packet (``"default"`` for the unnamed one)."""
+    return list(packet.overloads())
 
 
 def describe_target(target: Any) -> str:
@@ -50,6 +102,9 @@ def describe_target(target: Any) -> str:
         return str(target)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(target)
+    overload = _custom_op_def_overload(target)
+    if overload is not None:
+        return str(overload)
     name = getattr(target, "__name__", None)
     if name:
         for namespace_name, namespace in _PUBLIC_NAMESPACES:
@@ -89,33 +144,110 @@ def _import_dotted(path: str) -> Any:
     raise LookupError(f"no importable object named {path!r}")
 
 
-def _custom_op_exists(name: str) -> bool:
-    """Whether ``"namespace.op.overload"`` names an op registered with torch."""
-    parts = name.split(".")
-    if len(parts) != 3:
-        return False
-    namespace, op_name, overload = parts
+def _op_by_name(name: str) -> _Op | None:
+    """The op ``name`` denotes: ``"ns::op"``/``"ns.op"`` (the packet) or ``"ns::op.overload"``/``"ns.op.overload"``.
+
+    A ``torch.ops.`` prefix is allowed (``"torch.ops.mylib.op"``).
+    """
+    name = name.removeprefix("torch.ops.")
+    parts = name.replace("::", ".", 1).split(".") if name.count("::") <= 1 else []
+    if len(parts) not in (2, 3) or not all(part.isidentifier() for part in parts):
+        return None
     try:
-        packet = getattr(getattr(torch.ops, namespace), op_name)
-        return overload in packet.overloads()
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            return None
+        if len(parts) == 2:
+            return packet
+        if parts[2] not in _overload_names(packet):
+            return None
+        overload = getattr(packet, parts[2])
     except (AttributeError, RuntimeError):
-        return False
+        return None
+    return overload if isinstance(overload, torch._ops.OpOverload) else None
+
+
+def _as_op(target: Any) -> _Op | None:
+    """The ``OpOverload``/``OpOverloadPacket`` behind any form that names an op (``None`` otherwise)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target
+    if isinstance(target, str):
+        return _op_by_name(target)
+    return _custom_op_def_overload(target)
+
+
+def _is_custom(op: _Op) -> bool:
+    """Whether ``op`` lives outside torch's own namespaces (so ``__torch_function__`` is where it is seen)."""
+    return str(op).split(".", 1)[0] not in _TORCH_OP_NAMESPACES
+
+
+def _custom_op_form(target: Any) -> _Op | None:
+    """The custom op named by an op object (packet, overload, ``CustomOpDef``) or a ``"ns::op"`` string.
+
+    Other strings give ``None``: at the function level a dotted string is an
+    import path first (see `resolve_slot`).
+    """
+    if isinstance(target, str) and "::" not in target:
+        return None
+    op = _as_op(target)
+    return op if op is not None and _is_custom(op) else None
+
+
+def _named_key(op: _Op) -> str:
+    """The named-table key of an op: its overload's name; a packet's sole overload stands for the packet."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        overloads = _overload_names(op)
+        return f"{op}.{overloads[0]}" if len(overloads) == 1 else str(op)
+    return str(op)
 
 
 def infer_level(target: Any) -> PatchLevel:
-    """Guess the level a target belongs to: OpOverload -> dispatch, str -> named, else function.
+    """Guess the level a target belongs to.
+
+    An aten ``OpOverload`` is dispatch level; a string and any form of a custom
+    op (packet, overload, ``CustomOpDef``) are named level; an `AttributeTarget`
+    is attribute level; anything else is function level.
 
     Examples:
-        >>> infer_level(torch.roll).value
-        'function'
+        >>> infer_level(torch.roll).value, infer_level(torch.ops.aten.roll.default).value
+        ('function', 'dispatch')
     """
-    if isinstance(target, torch._ops.OpOverload):
-        return PatchLevel.DISPATCH
     if isinstance(target, AttributeTarget):
         return PatchLevel.ATTRIBUTE
-    if isinstance(target, str):
+    if isinstance(target, str) or _custom_op_form(target) is not None:
         return PatchLevel.NAMED
+    if isinstance(target, torch._ops.OpOverload):
+        return PatchLevel.DISPATCH
     return PatchLevel.FUNCTION
+
+
+def resolve_slot(target: Any, level: PatchLevel | str | None = None) -> tuple[PatchLevel, Any]:
+    """Return the slot ``(level, registry key)`` a declaration of ``target`` claims, or raise ``ValueError``.
+
+    ``level`` defaults to `infer_level`. A custom op given at the function level
+    moves to the named level, the table ``__torch_function__`` finds it in
+    under every call form; any of its forms gives the same key.
+
+    Examples:
+        >>> resolve_slot("torch.roll", "function")[1] is torch.roll
+        True
+        >>> resolve_slot("aten::roll.default", "named")
+        (<PatchLevel.NAMED: 'named'>, 'aten.roll.default')
+    """
+    level = infer_level(target) if level is None else PatchLevel(level)
+    if level is PatchLevel.FUNCTION:
+        if isinstance(target, str):
+            try:
+                target = _import_dotted(target)
+            except LookupError as error:
+                # Not importable: the name of a custom op ("mylib.op.default") is one as well.
+                op = _as_op(target)
+                if op is None or not _is_custom(op):
+                    raise ValueError(str(error)) from None
+                target = op
+        if _custom_op_form(target) is not None:
+            level = PatchLevel.NAMED
+    return level, resolve_target(target, level)
 
 
 def resolve_target(target: Any, level: PatchLevel) -> Any:
@@ -123,6 +255,10 @@ def resolve_target(target: Any, level: PatchLevel) -> Any:
 
     Function-level targets may be given as dotted strings (``"torch.roll"``);
     attribute-level targets are `AttributeTarget` whose owner has the attribute.
+    Named-level targets are any form of an op: its name (``"mylib.op.default"``,
+    ``"mylib::op"``), ``torch.ops.mylib.op``, its overload, or a ``CustomOpDef``.
+    A custom op is never a function-level key: use `resolve_slot`, which moves
+    it to the named level.
     """
     if level is PatchLevel.ATTRIBUTE:
         if not isinstance(target, AttributeTarget):
@@ -133,10 +269,13 @@ def resolve_target(target: Any, level: PatchLevel) -> Any:
             raise ValueError(f"{target} does not exist (no attribute {target.name!r} on its owner)")
         return target
     if level is PatchLevel.DISPATCH:
+        overload = _custom_op_def_overload(target)
+        if overload is not None:
+            target = overload
         if isinstance(target, torch._ops.OpOverloadPacket):
+            overloads = _overload_names(target) or ["default"]
             raise ValueError(
-                f"{target} is an overload packet; declare a specific overload such as "
-                f"{target}.default"
+                f"{target} is an overload packet; declare a specific overload such as {target}.{overloads[0]}"
             )
         if not isinstance(target, torch._ops.OpOverload):
             raise ValueError(
@@ -145,21 +284,53 @@ def resolve_target(target: Any, level: PatchLevel) -> Any:
             )
         return target
     if level is PatchLevel.NAMED:
-        if not isinstance(target, str):
-            raise ValueError(
-                f"named-level targets must be op names like 'mylib.op.default', got {type(target).__name__}"
-            )
-        if not _custom_op_exists(target):
+        op = _as_op(target)
+        if op is not None:
+            return _named_key(op)
+        if isinstance(target, str):
             raise ValueError(f"no op named {target!r} is registered with torch.ops")
-        return target
+        raise ValueError(
+            "named-level targets must be op names like 'mylib.op.default' or 'mylib::op', or the op itself "
+            f"(torch.ops.mylib.op, torch.ops.mylib.op.default, what torch.library.custom_op returns), "
+            f"got {type(target).__name__}"
+        )
     if isinstance(target, str):
         try:
             target = _import_dotted(target)
         except LookupError as error:
             raise ValueError(str(error)) from None
+    if _custom_op_form(target) is not None:
+        raise ValueError(
+            f"{describe_target(target)} is a custom op: ShardTensor looks it up by name, so it is a "
+            f"named-level target ({resolve_slot(target)[1]!r})"
+        )
     if not callable(target):
         raise ValueError(f"function-level targets must be callables, got {type(target).__name__}")
     return target
+
+
+def lookup_keys(key: Any, level: PatchLevel | str) -> tuple[Any, ...]:
+    """Every key ShardTensor looks the op of a resolved slot up by, ``key`` first.
+
+    A named key of an op's only overload also stands for the op's packet
+    (``torch.ops.mylib.op(x)`` is looked up as ``"mylib.op"``); a packet key of
+    an op with several overloads also covers each overload. Other keys stand
+    for themselves.
+
+    Examples:
+        >>> lookup_keys("aten.roll", "named")
+        ('aten.roll', 'aten.roll.default', 'aten.roll.out')
+        >>> lookup_keys("aten.roll.default", "named"), lookup_keys(torch.roll, "function") == (torch.roll,)
+        (('aten.roll.default',), True)
+    """
+    if PatchLevel(level) is not PatchLevel.NAMED or not isinstance(key, str):
+        return (key,)
+    op = _op_by_name(key)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return (key, *(f"{key}.{overload}" for overload in _overload_names(op)))
+    if isinstance(op, torch._ops.OpOverload) and len(_overload_names(op.overloadpacket)) == 1:
+        return (key, str(op.overloadpacket))
+    return (key,)
 
 
 def _dispatch_call_shape(op: torch._ops.OpOverload) -> tuple[int, list[str]]:

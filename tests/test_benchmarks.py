@@ -71,3 +71,47 @@ def test_attention_benchmark_memory_goal_on_4_ranks(tmp_path):
             assert r["forward_ratio"] <= report["goals"]["forward"], r
             assert r["backward_ratio"] <= report["goals"]["backward"], r
             assert r["memory_ratio"] <= report["goals"]["memory"], r
+
+
+def test_runner_reports_every_ratio_and_the_exact_conv_halo_on_2_ranks(tmp_path):
+    # Two families on a tiny field (1 x 2 x 16 x 8, H split 8 + 8), no models: bytes and bounds are
+    # exact at any size; memory needs the full size and is only checked for presence here.
+    report_file, plots = tmp_path / "report.json", tmp_path / "plots"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--families", "convolution,pointwise", "--ranks", "2",
+         "--size", "1x2x16x8", "--models", "none", "--json", str(report_file), "--plot", str(plots)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "[2/2] 2 ranks: pointwise done" in result.stderr  # progress on stderr (one line per task off a tty)
+    report = json.loads(report_file.read_text())
+    assert report["schema"] == 1 and report["config"]["size"] == [1, 2, 16, 8] and report["config"]["ranks"] == [2]
+    assert set(report["goals"]) == {"bytes", "bytes_exchange", "fallback_at_4_ranks", "memory_slack"}
+    cases = {c["family"]: c for c in report["families"]}
+    assert set(cases) == {"convolution", "pointwise"} and report["models"] == []
+    for case in cases.values():
+        assert case["ranks"] == 2 and case["status"] == "ok", case
+        for phase in ("forward", "backward"):
+            assert len(case[phase]["bytes"]) == len(case[phase]["bound"]) == 2
+            assert isinstance(case[phase]["ratio"], float), case  # bytes / bound is a number
+        assert isinstance(case["fallback"]["ratio"], float) and case["fallback"]["status"] == "ok", case
+        assert set(case["goals"]) == {"bytes", "fallback", "memory"}
+        assert case["goals"]["fallback"] is None  # the 5x goal is stated at 4 ranks
+        assert len(case["memory"]["peak_mib"]) == 2 and case["memory"]["goal"] == pytest.approx(0.6)
+        assert case["max_error"] < 1e-5  # output and every gradient match single-process
+    # The analytic halo of Conv2d(2, 2, 3, stride=2, padding=1) on H = 16 split 8 + 8: output row o reads
+    # input rows 2o-1..2o+1; rank 1's first output row (4) reads rows 7, 8, 9, so one row (7) crosses from
+    # rank 0, and rank 0's rows 0-3 read nothing of rank 1. Backward: that row's gradient goes back, and
+    # every rank all-reduces the weight and bias gradients.
+    row = 2 * 8 * 4  # C x W x float32
+    weights = (2 * 2 * 3 * 3 + 2) * 4
+    conv = cases["convolution"]
+    assert conv["forward"]["bound"] == [row, 0] and conv["forward"]["bytes"] == [row, 0]
+    assert conv["backward"]["bound"] == [weights, row + weights] and conv["backward"]["bytes"] == conv["backward"]["bound"]
+    assert conv["forward"]["ratio"] == conv["backward"]["ratio"] == 1.0 and conv["goals"]["bytes"] is True
+    pointwise = cases["pointwise"]
+    assert pointwise["forward"]["bytes"] == pointwise["backward"]["bytes"] == [0, 0]
+    assert pointwise["forward"]["ratio"] == 1.0  # 0 bytes against a bound of 0
+    assert "| convolution | Conv2d(2, 2, 3, stride=2, padding=1) | 2 | 1.000 | 1.000 |" in result.stdout
+    assert sorted(p.name for p in plots.iterdir()) == ["family-bytes.svg", "family-memory.svg"]
+    assert all(p.read_text().lstrip().startswith("<?xml") for p in plots.iterdir())

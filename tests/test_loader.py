@@ -1,5 +1,9 @@
 """Tests of physicsnemo_shardext.loader: discovery from installed distributions and isolation."""
 
+import importlib
+import json
+import sys
+
 import pytest
 import torch
 
@@ -548,3 +552,241 @@ def test_names_of_installed_plugins_outside_the_loaded_set_do_not_warn(site, fre
     install(site, "first-dist", "first", "first_known_mod", GOOD.format(tag="1", priority=1))
     load(site, fresh_registry, deny=("pointwise", "physicsnemo-shardext", "first"))  # real, installed names
     assert not [w for w in recwarn if "matches no installed plugin" in str(w.message)]
+
+
+# -- deferred plugins: shardext_import_after --------------------------------------------------
+
+DEFERRED = """
+import torch
+from physicsnemo_shardext import hookimpl
+
+def cummax_handler(func, types, args, kwargs):
+    return "deferred"
+
+@hookimpl
+def shardext_import_after():
+    return {modules!r}
+
+@hookimpl
+def shardext_declare_patches(patches):
+    import {first}                      # imported by now
+    {declare_body}
+    patches.function(torch.cummax, cummax_handler)
+"""
+
+
+@pytest.fixture
+def awaited(site):
+    """Names of fresh modules in the site folder (not imported yet); their callbacks are cancelled after."""
+    from physicsnemo_shardext.import_hooks import cancel_all
+
+    made = []
+
+    def make(source="VALUE = 1\n"):
+        name = f"awaited_{len(made)}_{id(made):x}"
+        (site / f"{name}.py").write_text(source)
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        cancel_all(name)
+        sys.modules.pop(name, None)
+
+
+def deferred_source(modules, declare_body="pass"):
+    return DEFERRED.format(modules=list(modules), first=modules[0], declare_body=declare_body)
+
+
+def handler_of_cummax():
+    handler = shard_registries.current_handler("function", torch.cummax)
+    return None if handler is None else handler(None, None, None, None)
+
+
+def test_plugin_waits_for_its_module_then_loads(site, fresh_registry, awaited):
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_a", deferred_source([module]), version="2.0")
+    report = load(site, fresh_registry)["late"]
+    assert report.status is LoadStatus.DEFERRED and report.stage == "shardext_import_after"
+    assert module in report.reason and handler_of_cummax() is None and fresh_registry.plugins() == []
+    importlib.import_module(module)
+    [after] = [r for r in fresh_registry.reports() if r.plugin.name == "late"]
+    assert after.status is LoadStatus.LOADED and after.patches == 1
+    assert after.plugin == report.plugin  # the same PluginInfo: distribution, version, source
+    assert handler_of_cummax() == "deferred"
+    assert fresh_registry.provenance(torch.cummax).plugin.version == "2.0"
+
+
+def test_plugin_whose_modules_are_imported_loads_at_once(site, fresh_registry):
+    install(site, "late-dist", "late", "late_mod_b", deferred_source(["json", "torch"]))
+    assert load(site, fresh_registry)["late"].status is LoadStatus.LOADED
+    assert handler_of_cummax() == "deferred"
+
+
+def test_plugin_waits_for_each_module_in_turn(site, fresh_registry, awaited):
+    first, second = awaited(), awaited()
+    install(site, "late-dist", "late", "late_mod_c", deferred_source([first, second]))
+    load(site, fresh_registry)
+    importlib.import_module(second)
+    [report] = fresh_registry.reports()
+    assert report.status is LoadStatus.DEFERRED and first in report.reason
+    importlib.import_module(first)
+    [report] = fresh_registry.reports()
+    assert report.status is LoadStatus.LOADED
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_deferred_plugin_that_fails_later_is_isolated_and_warned_about(site, fresh_registry, pristine_registries,
+                                                                         awaited, strict):
+    module = awaited()
+    body = "ShardTensor.register_function_handler(torch.cumsum, cummax_handler)\n    raise RuntimeError('late boom')"
+    source = "from physicsnemo.domain_parallel import ShardTensor\n" + deferred_source([module], body)
+    install(site, "late-dist", "late", f"late_mod_fail_{strict}", source, version="0.5")
+    assert load(site, fresh_registry, strict=strict)["late"].status is LoadStatus.DEFERRED  # strict: not a failure
+    with pytest.warns(ShardextWarning, match=r"late-dist==0.5 failed during shardext_declare_patches: RuntimeError: "
+                                             r"late boom.*deferred until a module's import"):
+        importlib.import_module(module)  # never raises, in strict mode either: it would break this import
+    [report] = fresh_registry.reports()
+    assert report.status is LoadStatus.FAILED and report.stage == "shardext_declare_patches"
+    assert shard_registries.snapshot() == pristine_registries  # its own write rolled back, nothing installed
+
+
+def test_a_blocked_plugin_is_never_deferred(site, fresh_registry, awaited):
+    from physicsnemo_shardext.import_hooks import awaited_modules
+
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_blocked", deferred_source([module]))
+    assert load(site, fresh_registry, deny=("late",))["late"].status is LoadStatus.BLOCKED
+    assert module not in awaited_modules()
+
+
+@pytest.mark.parametrize("answer", ["'json'", "[1]", "42"])
+def test_import_after_must_return_module_names(site, fresh_registry, answer):
+    source = f"from physicsnemo_shardext import hookimpl\n@hookimpl\ndef shardext_import_after():\n    return {answer}\n"
+    install(site, "odd-dist", "odd", f"odd_mod_{abs(hash(answer))}", source)
+    with pytest.warns(ShardextWarning, match="failed during shardext_import_after: ValueError: shardext_import_after"):
+        report = load(site, fresh_registry)["odd"]
+    assert report.status is LoadStatus.FAILED
+
+
+def test_waiting_plugin_is_not_loaded_twice(site, fresh_registry, awaited):
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_twice", deferred_source([module]))
+    loader = PluginLoader(fresh_registry, Settings())
+    assert [r.status for r in loader.load_entry_points(entry_points_in(site))] == [LoadStatus.DEFERRED]
+    assert loader.load_entry_points(entry_points_in(site)) == []  # still waiting: a no-op
+    importlib.import_module(module)
+    assert [r.status for r in fresh_registry.reports()] == [LoadStatus.LOADED]
+
+
+def test_remove_plugin_does_not_know_a_waiting_plugin(site, fresh_registry, awaited):
+    install(site, "late-dist", "late", "late_mod_remove", deferred_source([awaited()]))
+    load(site, fresh_registry)
+    with pytest.raises(KeyError, match="no plugin named 'late' is loaded"):
+        fresh_registry.remove_plugin("late")
+
+
+def test_deferred_inside_a_sandbox_is_forgotten_with_it(site, fresh_registry, pristine_registries, awaited):
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_sandbox_a", deferred_source([module]))
+    with fresh_registry.sandbox():
+        assert load(site, fresh_registry)["late"].status is LoadStatus.DEFERRED
+    importlib.import_module(module)  # the sandbox that deferred it is gone: nothing loads
+    assert fresh_registry.reports() == [] and shard_registries.snapshot() == pristine_registries
+
+
+def test_loaded_inside_a_sandbox_is_undone_and_loads_again_on_the_next_load(site, fresh_registry, awaited):
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_sandbox_b", deferred_source([module]))
+    load(site, fresh_registry)
+    with fresh_registry.sandbox():
+        importlib.import_module(module)
+        assert handler_of_cummax() == "deferred"
+    assert handler_of_cummax() is None and [r.status for r in fresh_registry.reports()] == [LoadStatus.DEFERRED]
+    assert load(site, fresh_registry)["late"].status is LoadStatus.LOADED  # what load_plugins() does
+    assert handler_of_cummax() == "deferred"
+
+
+def test_resume_ready_loads_what_a_sandbox_rolled_back(site, fresh_registry, awaited):
+    from physicsnemo_shardext.loader import resume_ready
+
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_sandbox_c", deferred_source([module]))
+    load(site, fresh_registry)
+    assert resume_ready(fresh_registry) == []  # its module is not imported: still waiting
+    with fresh_registry.sandbox():
+        importlib.import_module(module)
+    assert [r.status for r in resume_ready(fresh_registry)] == [LoadStatus.LOADED]
+    assert handler_of_cummax() == "deferred" and resume_ready(fresh_registry) == []
+
+
+def test_package_sandbox_reloads_a_deferred_plugin_it_rolled_back(site, fresh_registry, awaited, monkeypatch):
+    import physicsnemo_shardext
+
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_sandbox_d", deferred_source([module]))
+    load(site, fresh_registry)
+    monkeypatch.setattr(physicsnemo_shardext, "_registry", fresh_registry)
+    with physicsnemo_shardext.sandbox():
+        importlib.import_module(module)
+    # the import will not happen again, so leaving the sandbox loads it once more
+    assert [r.status for r in fresh_registry.reports()] == [LoadStatus.LOADED]
+    assert handler_of_cummax() == "deferred"
+
+
+def test_deferred_plugin_loading_inside_another_plugins_import_is_not_blamed_on_it(site, fresh_registry, awaited):
+    module = awaited()
+    install(site, "late-dist", "late", "late_mod_nested", deferred_source([module]))
+    load(site, fresh_registry)
+    importer = f"import {module}\nraise ImportError('importer gives up')\n"  # fails after the import
+    install(site, "importer-dist", "importer", "importer_mod", importer)
+    install(site, "clean-dist", "clean", "clean_importer_mod", f"import {module}\n")
+    with pytest.warns(ShardextWarning, match="importer-dist==1.0 failed during import: ImportError: importer gives up"):
+        reports = load(site, fresh_registry)
+    assert "UndeclaredPatchError" not in reports["importer"].reason
+    assert reports["clean"].status is LoadStatus.LOADED
+    statuses = {r.plugin.name: r.status for r in fresh_registry.reports()}
+    assert statuses["late"] is LoadStatus.LOADED
+    assert handler_of_cummax() == "deferred"  # the importer's rollback kept it
+
+
+def test_late_builtins_are_neither_blamed_nor_rolled_back(site, fresh_registry, monkeypatch):
+    from physicsnemo_shardext import baseline
+
+    def late_handler(func, types, args, kwargs):
+        return "late built-in"
+
+    monkeypatch.setitem(baseline._late, ("_function_registry", torch.cummin), late_handler)
+    module = "late_builtin_arrives_mod"
+    writer = (
+        "import torch\nfrom physicsnemo.domain_parallel import ShardTensor\n"
+        "from physicsnemo_shardext.baseline import _late\n"
+        "ShardTensor._function_registry[torch.cummin] = _late[('_function_registry', torch.cummin)]\n"
+    )
+    install(site, "innocent-dist", "innocent", module, writer + "raise ImportError('later failure')\n")
+    with pytest.warns(ShardextWarning) as caught:
+        reports = load(site, fresh_registry)
+    assert reports["innocent"].status is LoadStatus.FAILED
+    assert not any("UndeclaredPatchError" in str(w.message) or "rolled back" in str(w.message) for w in caught)
+    assert shard_registries.current_handler("function", torch.cummin) is late_handler  # kept by the undo
+
+
+def test_a_plugin_importing_physicsnemo_nn_loads_cleanly(site, python_runner):
+    """The real thing, in a fresh process: natten's built-ins and the afno plugin arrive inside its import."""
+    install(site, "nn-dist", "nn-user", "nn_user_mod", "import physicsnemo.nn\n")
+    install(site, "nn-fail-dist", "nn-fail", "nn_fail_mod", "import physicsnemo.nn\nraise ImportError('gives up')\n")
+    code = (
+        "import warnings, json\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import physicsnemo_shardext as s\n"
+        "import physicsnemo.nn.functional.natten as natten\n"
+        "from physicsnemo.nn.module.afno_layers import AFNO2DLayer\n"
+        "r = {x.plugin.name: x.status.value for x in s.get_registry().reports()}\n"
+        "print(json.dumps([r['nn-user'], r['nn-fail'], r['afno'], natten.na2d in s.shard_registries.snapshot()"
+        ".as_dicts()['_function_registry'], hasattr(AFNO2DLayer.__dict__['forward'], '__wrapped__'),"
+        " [str(w.message)[:200] for w in caught if 'Undeclared' in str(w.message)]]))\n"
+    )
+    result = python_runner(code, env={"CUDA_VISIBLE_DEVICES": ""}, path=[str(site)])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["loaded", "failed", "loaded", True, True, []]

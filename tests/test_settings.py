@@ -1,5 +1,8 @@
 """Tests of physicsnemo_shardext.settings."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from physicsnemo_shardext.settings import ENVIRONMENT_VARIABLES, Settings
@@ -21,7 +24,24 @@ def test_all_variables_parse():
         }
     )
     assert settings == Settings(False, ("a", "b"), ("c",), True, ("x", "y"), True)
-    assert set(ENVIRONMENT_VARIABLES) == {f"SHARDEXT_{n}" for n in ("AUTOLOAD", "DISABLE", "ONLY", "STRICT", "PREFER", "TRACE")}
+    read_on_import = {f"SHARDEXT_{n}" for n in ("AUTOLOAD", "DISABLE", "ONLY", "STRICT", "PREFER", "TRACE")}
+    assert set(ENVIRONMENT_VARIABLES) == read_on_import | {"SHARDEXT_TEST_TIMEOUT"}
+
+
+def test_every_variable_the_package_reads_has_a_help_string():
+    package = Path(__file__).resolve().parents[1]
+    sources = [*(package / "physicsnemo_shardext").rglob("*.py"), *(package / "patches").glob("*.py")]
+    named = {name for path in sources for name in re.findall(r"\bSHARDEXT_[A-Z][A-Z_]*\b", path.read_text())}
+    assert named, "the scan found the variables"
+    assert named <= set(ENVIRONMENT_VARIABLES), f"read but without a help string: {sorted(named - set(ENVIRONMENT_VARIABLES))}"
+    for variable, help_text in ENVIRONMENT_VARIABLES.items():
+        assert len(help_text) > 20, f"{variable}: help string too short: {help_text!r}"
+
+
+@pytest.mark.parametrize("variable", ["SHARDEXT_DISABLE", "SHARDEXT_ONLY"])
+def test_plugin_list_help_says_unknown_names_warn(variable):
+    assert "matches no installed plugin or distribution" in ENVIRONMENT_VARIABLES[variable]
+    assert "ShardextWarning" in ENVIRONMENT_VARIABLES[variable]
 
 
 def test_bad_boolean_names_the_variable():

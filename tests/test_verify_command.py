@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from physicsnemo_shardext import cli
+from physicsnemo_shardext.json_schemas import SCHEMAS, validate
 from physicsnemo_shardext.verify_command import _bar_text, parse_mesh, parse_shape, UsageError
 
 SUPPORT = Path(__file__).parent / "verify_support"
@@ -45,6 +46,7 @@ def test_fno_matches_op_by_op_with_every_gradient(tmp_path):
                                       "--html", str(html))
     assert status == 0, out + err
     assert report["schema"] == "physicsnemo-shardext/verify" and report["schema_version"] == 1
+    assert validate(report, SCHEMAS["verify"]) == []
     assert report["status"] == "match" and report["split"]["sizes"] == {"0": [20, 12]}
     ops = {op["op"] for op in report["ops"]}
     assert {"torch.nn.functional.conv2d", "torch.fft.rfft2", "torch.fft.irfft2", "torch.einsum"} <= ops

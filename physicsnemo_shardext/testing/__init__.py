@@ -25,6 +25,8 @@ Examples:
     >>> import physicsnemo_shardext.testing as testing
     >>> testing.chunk_split_sizes(17, 2)
     [9, 8]
+    >>> [case.id for case in testing.split_cases(17, 2, allow_empty=False)]
+    ['balanced-9-8', 'uneven-6-11']
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ _EXPORTS: dict[str, str] = {
     "shard_tensor": "sharding",
     "sharding_shapes_for": "sharding",
     "SplitSizes": "sharding",
+    "split_cases": "splits",
+    "SplitCase": "splits",
+    # Partial inputs
+    "partial_tensor": "partial",
+    "partial_values": "partial",
     # conformance
     "ShardSpec": "conformance",
     "check_conformance": "conformance",
@@ -91,6 +98,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         rank_test_environment,
         registry_sandbox_context,
     )
+    from physicsnemo_shardext.testing.partial import partial_tensor, partial_values
     from physicsnemo_shardext.testing.placeholders import mesh_for
     from physicsnemo_shardext.testing.sharding import (
         SplitSizes,
@@ -99,6 +107,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         shard_tensor,
         sharding_shapes_for,
     )
+    from physicsnemo_shardext.testing.splits import SplitCase, split_cases
     from physicsnemo_shardext.testing.worker_pool import PoolOutcome, WorkerPool
 
 

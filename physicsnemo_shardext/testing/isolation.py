@@ -1,4 +1,4 @@
-"""Per-test isolation inside a reused rank: sandboxed registries, seeding, TF32 off.
+"""Per-test isolation inside a reused rank: sandboxed registries, seeding, TF32 off, upstream warnings.
 
 Examples:
     ```python
@@ -21,13 +21,33 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["DEFAULT_SEED", "deterministic", "registry_sandbox_context", "rank_test_environment", "seed_everything"]
+__all__ = [
+    "DEFAULT_SEED",
+    "UPSTREAM_WARNINGS",
+    "deterministic",
+    "rank_test_environment",
+    "registry_sandbox_context",
+    "seed_everything",
+    "upstream_warnings_filtered",
+]
 
 #: Seed used on every rank unless the marker passes ``seed=``.
 DEFAULT_SEED = 1234
+
+#: Warnings that dependencies raise on behalf of every sharded test, which a test author
+#: cannot act on: ``(message regex, category)``. PhysicsNeMo gathers a shard with
+#: ``torch.distributed._functional_collectives.all_gather_tensor`` (its
+#: ``_shard_redistribute._to_replicate_tensor``, i.e. every ``full_tensor()`` and every
+#: redistribution from ``Shard`` to ``Replicate``), which torch deprecated in favour of
+#: ``all_gather_single``. pytest resets the warning registry for each test, so it came
+#: back in every test that compared a result.
+UPSTREAM_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    (r"`torch\.distributed\._functional_collectives\.all_gather_tensor` is deprecated", FutureWarning),
+)
 
 
 def registry_sandbox_context() -> contextlib.AbstractContextManager[Any]:
@@ -77,7 +97,28 @@ def deterministic(seed: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def upstream_warnings_filtered() -> Iterator[None]:
+    """Ignore exactly the `UPSTREAM_WARNINGS` inside the block; every other warning is untouched.
+
+    Examples:
+        >>> import warnings
+        >>> message = "`torch.distributed._functional_collectives.all_gather_tensor` is deprecated. Please use ..."
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")       # as pytest's -W always (or error) would
+        ...     with upstream_warnings_filtered():
+        ...         warnings.warn(message, FutureWarning)
+        ...         warnings.warn("something else", FutureWarning)
+        >>> [str(w.message) for w in caught]
+        ['something else']
+    """
+    with warnings.catch_warnings():
+        for message, category in UPSTREAM_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+@contextlib.contextmanager
 def rank_test_environment(seed: int = DEFAULT_SEED) -> Iterator[Any]:
     """Everything a test body gets on each rank; yields the sandbox's value (the registry)."""
-    with registry_sandbox_context() as registry, deterministic(seed):
+    with registry_sandbox_context() as registry, deterministic(seed), upstream_warnings_filtered():
         yield registry

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MESH_LAYOUTS", "RankValue", "build", "materialize", "mesh_for"]
+__all__ = ["MESH_LAYOUTS", "MIN_WORLD_SIZE", "RankValue", "build", "materialize", "mesh_for", "mesh_shape"]
 
 #: Mesh fixtures: name -> (dim names, shape as a function of the world size).
 MESH_LAYOUTS: dict[str, tuple[tuple[str, ...], Any]] = {
@@ -23,6 +23,12 @@ MESH_LAYOUTS: dict[str, tuple[tuple[str, ...], Any]] = {
     "ddp_domain_mesh": (("ddp", "domain"), lambda ws: (2, ws // 2)),
     "spatial_mesh": (("h", "w"), lambda ws: (2, ws // 2)),
 }
+
+#: The smallest (even) world size each 2-D mesh fixture accepts. ``spatial_mesh`` is
+#: ``(2, 1)`` on 2 ranks: still a 2-D mesh (``[Shard(H), Shard(W)]`` with W whole on
+#: each rank), so 2-D code paths run under ``torchrun --nproc-per-node 2`` too.
+#: ``ddp_domain_mesh`` keeps a real domain group (at least 2 ranks per ``ddp`` slice).
+MIN_WORLD_SIZE: dict[str, int] = {"ddp_domain_mesh": 4, "spatial_mesh": 2}
 
 _mesh_cache: dict[tuple[tuple[int, ...], tuple[str, ...]], Any] = {}
 
@@ -50,6 +56,24 @@ def mesh_for(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     return _mesh_cache[key]
 
 
+def mesh_shape(kind: str, world_size: int) -> tuple[int, ...]:
+    """The shape of mesh fixture ``kind`` on ``world_size`` ranks (2-D meshes: ``(2, N/2)``, N even).
+
+    Examples:
+        >>> mesh_shape("spatial_mesh", 2), mesh_shape("spatial_mesh", 4), mesh_shape("domain_mesh", 3)
+        ((2, 1), (2, 2), (3,))
+        >>> mesh_shape("ddp_domain_mesh", 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: ddp_domain_mesh needs an even world size >= 4, got 2
+    """
+    shape = tuple(MESH_LAYOUTS[kind][1](world_size))
+    minimum = MIN_WORLD_SIZE.get(kind, 1)
+    if len(shape) == 2 and (world_size % 2 or world_size < minimum):
+        raise ValueError(f"{kind} needs an even world size >= {minimum}, got {world_size}")
+    return shape
+
+
 def build(kind: str, registry: Any = None) -> Any:
     """Create the real value for ``kind`` on this rank (process group already initialized)."""
     import torch.distributed as dist
@@ -62,11 +86,7 @@ def build(kind: str, registry: Any = None) -> Any:
     if kind == "registry_sandbox":
         return registry
     if kind in MESH_LAYOUTS:
-        names, shape_of = MESH_LAYOUTS[kind]
-        shape = shape_of(world_size)
-        if len(shape) == 2 and (world_size % 2 or world_size < 4):
-            raise ValueError(f"{kind} needs an even world size >= 4, got {world_size}")
-        return mesh_for(shape, names)
+        return mesh_for(mesh_shape(kind, world_size), MESH_LAYOUTS[kind][0])
     raise KeyError(f"unknown rank value {kind!r}")
 
 

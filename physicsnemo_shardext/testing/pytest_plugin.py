@@ -11,7 +11,8 @@ and ``seed=``):
 
 Multirank fixtures (``domain_mesh``, ``ddp_domain_mesh``, ``spatial_mesh``,
 ``rank``, ``world_size``, ``registry_sandbox``) are created on the rank; other
-fixture and parametrize values are pickled to the ranks.
+fixture and parametrize values are pickled to the ranks. Parametrizing with
+`split_cases` gives readable test ids (``test_op[uneven-6-11]``).
 
 Examples:
     A test run on 2 ranks:
@@ -36,7 +37,8 @@ Examples:
 
 Timeout precedence: marker ``timeout=`` > ``SHARDEXT_TEST_TIMEOUT`` env var >
 ini option ``shardext_timeout`` > 120 s. Under torchrun a rank that outlives it
-prints its stacks and exits (see `physicsnemo_shardext.testing.watchdog`).
+prints the collective it waits in and its stacks, and exits (see
+`physicsnemo_shardext.testing.watchdog`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import pytest
 
 from physicsnemo_shardext.testing.isolation import DEFAULT_SEED, registry_sandbox_context, rank_test_environment
 from physicsnemo_shardext.testing.placeholders import RankValue, build
+from physicsnemo_shardext.testing.splits import SplitCase
 
 __all__ = ["MultirankController", "launched_by_torchrun", "marker_world_size"]
 
@@ -80,6 +83,7 @@ class MultirankController:
         self.torchrun = launched_by_torchrun()
         self.pools: dict[int, Any] = {}
         self._initialized = False
+        self._report_fd: int | None = None
 
     # -- settings ---------------------------------------------------------------------
     def _ini_float(self, name: str, default: float) -> float:
@@ -96,12 +100,32 @@ class MultirankController:
 
     # -- torchrun ---------------------------------------------------------------------
     def ensure_initialized(self) -> None:
-        """Under torchrun: initialize torch.distributed + DistributedManager once per session."""
+        """Under torchrun: initialize torch.distributed + DistributedManager once per session.
+
+        The collectives are tracked for hang reports from then on (not per test: a
+        ``P2POp`` built by a fixture must meet the same ``dist.isend`` in the body).
+        """
         if not self._initialized:
             from physicsnemo_shardext.distributed import initialize
+            from physicsnemo_shardext.testing.hang_report import start_tracking
 
             initialize()
+            start_tracking()
             self._initialized = True
+
+    def report_fd(self) -> int:
+        """A duplicate of the real stderr for hang reports (pytest redirects fd 2 during tests)."""
+        if self._report_fd is None:
+            capture = self.config.pluginmanager.getplugin("capturemanager")
+            capturing = capture is not None and capture.is_globally_capturing()
+            if capturing:
+                capture.suspend_global_capture(in_=False)
+            try:
+                self._report_fd = os.dup(2)
+            finally:
+                if capturing:
+                    capture.resume_global_capture()
+        return self._report_fd
 
     # -- spawned workers ----------------------------------------------------------------
     def pool(self, world_size: int) -> Any:
@@ -123,9 +147,14 @@ class MultirankController:
         self.pools.clear()
         if self._initialized:
             from physicsnemo_shardext.distributed import shutdown
+            from physicsnemo_shardext.testing.hang_report import stop_tracking
 
+            stop_tracking()
             shutdown()
             self._initialized = False
+        if self._report_fd is not None:
+            os.close(self._report_fd)
+            self._report_fd = None
 
 
 def _controller(config: pytest.Config) -> MultirankController:
@@ -146,6 +175,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "(spawned gloo/NCCL workers, or inline under torchrun with WORLD_SIZE == n).",
     )
     config.stash[_CONTROLLER] = MultirankController(config)
+
+
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """Test ids for `SplitCase` values: ``uneven-6-11`` rather than ``sizes0``."""
+    return val.id if isinstance(val, SplitCase) else None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -180,9 +214,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         from physicsnemo_shardext.testing.watchdog import rank_watchdog
 
         rank = int(os.environ.get("RANK", "0"))
-        capture = pyfuncitem.config.pluginmanager.getplugin("capturemanager")
-        release_output = (lambda: capture.suspend_global_capture(in_=False)) if capture is not None else None
-        watchdog = rank_watchdog(controller.timeout_for(marker), pyfuncitem.nodeid, rank, release_output)
+        timeout = controller.timeout_for(marker)
+        watchdog = rank_watchdog(timeout, pyfuncitem.nodeid, rank, report_fd=controller.report_fd())
         with watchdog, rank_test_environment(seed):
             pyfuncitem.obj(**_test_kwargs(pyfuncitem))
         return True
@@ -244,13 +277,18 @@ def domain_mesh(request: pytest.FixtureRequest) -> Any:
 
 @pytest.fixture
 def ddp_domain_mesh(request: pytest.FixtureRequest) -> Any:
-    """2-D ``DeviceMesh`` ``(2, N/2)`` named ``("ddp", "domain")`` (2x2 with 4 ranks)."""
+    """2-D ``DeviceMesh`` ``(2, N/2)`` named ``("ddp", "domain")`` (2x2 with 4 ranks; even N >= 4)."""
     return _rank_value(request, "ddp_domain_mesh")
 
 
 @pytest.fixture
 def spatial_mesh(request: pytest.FixtureRequest) -> Any:
-    """2-D ``DeviceMesh`` ``(2, N/2)`` named ``("h", "w")`` for ``[Shard(H), Shard(W)]``."""
+    """2-D ``DeviceMesh`` ``(2, N/2)`` named ``("h", "w")`` for ``[Shard(H), Shard(W)]``, any even N.
+
+    On 2 ranks it is ``(2, 1)``: H split in two, W whole on each rank (one split size
+    for mesh dim 1, e.g. ``{0: [3, 5], 1: [6]}``), still a 2-D mesh, so 2-D code paths
+    run under ``torchrun --nproc-per-node 2`` as well.
+    """
     return _rank_value(request, "spatial_mesh")
 
 

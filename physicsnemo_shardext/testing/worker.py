@@ -6,6 +6,14 @@ receive a `TestTask`, import the test module, materialize placeholder
 fixtures, run the body inside `rank_test_environment`,
 send back a `RankResult`.
 
+For hang reports a worker records the collective each thread is in
+(`physicsnemo_shardext.testing.hang_report.tracking_collectives`) and runs a
+*reporter* thread that answers a ``"report"`` request on a second pipe with the
+pending collectives and every thread's Python stack. That needs the GIL; when a
+C call holds it, the parent falls back to ``faulthandler``, which the worker
+re-arms on `STACK_DUMP_SIGNAL` before every task (a test or a library may have
+taken the signal over).
+
 This module is imported by the parent (for the process target), so it only
 imports torch inside the worker.
 
@@ -227,13 +235,42 @@ def _init_process_group(config: WorkerConfig) -> None:
     )
 
 
-def worker_main(config: WorkerConfig, conn: Any) -> None:
-    """Process entry point: initialize, then serve tasks from ``conn`` until told to stop."""
-    log = _redirect_output(config.log_path)
-    faulthandler.enable(file=log, all_threads=True)
+def _arm_stack_dump(log: Any) -> None:
+    # faulthandler writes from its C signal handler, so it works while a C call holds the GIL.
     if STACK_DUMP_SIGNAL is not None:
         faulthandler.register(STACK_DUMP_SIGNAL, file=log, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True).start()
+
+
+def _serve_reports(control: Any) -> None:
+    """Answer each ``("report",)`` on ``control`` with the hang report of this process."""
+    from physicsnemo_shardext.testing.hang_report import hang_report
+
+    while True:
+        try:
+            request = control.recv()
+        except (EOFError, OSError):
+            return  # the pool went away
+        if request[0] != "report":
+            continue
+        try:
+            text = hang_report()
+        except Exception as exc:  # noqa: BLE001 - say why instead of staying silent
+            text = f"(the hang report failed: {exc!r})"
+        try:
+            control.send(text)
+        except (OSError, ValueError):
+            return
+
+
+def worker_main(config: WorkerConfig, conn: Any, control: Any = None) -> None:
+    """Process entry point: initialize, then serve tasks from ``conn`` until told to stop.
+
+    ``control``, when given, is the pipe on which the pool asks for hang reports.
+    """
+    log = _redirect_output(config.log_path)
+    faulthandler.enable(file=log, all_threads=True)
+    _arm_stack_dump(log)
+    threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True, name="shardext-watch-parent").start()
     _extend_sys_path(config.sys_path)
     os.environ.update(
         RANK=str(config.rank),
@@ -248,8 +285,13 @@ def worker_main(config: WorkerConfig, conn: Any) -> None:
         torch.set_num_threads(1)  # N ranks share a few cores; oversubscription makes tests crawl
         _init_process_group(config)
         from physicsnemo_shardext.distributed import initialize
+        from physicsnemo_shardext.testing.hang_report import start_tracking
 
         initialize()
+        # For the whole life of the worker: torch.distributed entry points record their calls.
+        start_tracking()
+        if control is not None:
+            threading.Thread(target=_serve_reports, args=(control,), daemon=True, name="shardext-hang-reporter").start()
         conn.send(("ready", config.rank, os.getpid()))
     except BaseException as exc:  # noqa: BLE001
         conn.send(("error", config.rank, _format_exception(exc)))
@@ -262,6 +304,10 @@ def worker_main(config: WorkerConfig, conn: Any) -> None:
         if message[0] == "stop":
             break
         if message[0] == "run":
+            from physicsnemo_shardext.testing.hang_report import forget_asynchronous
+
+            _arm_stack_dump(log)
+            forget_asynchronous()
             conn.send(("result", run_task(message[1], config.rank)))
     try:
         from physicsnemo_shardext.distributed import shutdown

@@ -3,9 +3,15 @@
 The pool runs one `TestTask` at a
 time on all ranks and waits with a timeout. Ranks that fail or die start a
 short *grace* period for the others (which are usually stuck in a collective
-with the failed rank); ranks still silent at the deadline are reported as hung
-with their Python stacks (faulthandler), and the whole pool is killed so the
-next test starts from a fresh process group.
+with the failed rank); ranks still silent at the deadline are reported as hung,
+and the whole pool is killed so the next test starts from a fresh process group.
+
+A hung rank's report comes from the rank's reporter thread, asked over a second
+pipe: the collective it waits in (op, tensors, group size, issuing source line)
+and every thread's Python stack, innermost call last. A rank that does not
+answer within `REPORT_WAIT_S` (a C call holds its GIL) is sent
+`STACK_DUMP_SIGNAL` instead, and its ``faulthandler`` dump is shown in the
+same order.
 
 Examples:
     ```python
@@ -39,11 +45,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from physicsnemo_shardext.testing.hang_report import reformat_faulthandler
 from physicsnemo_shardext.testing.worker import STACK_DUMP_SIGNAL, RankResult, TestTask, WorkerConfig, worker_main
 
-__all__ = ["PoolOutcome", "PoolStartupError", "WorkerPool"]
+__all__ = ["REPORT_WAIT_S", "PoolOutcome", "PoolStartupError", "WorkerPool"]
 
 _OUTPUT_TAIL_CHARS = 4000
+
+#: How long a hung rank's reporter thread may take to answer before faulthandler is used.
+REPORT_WAIT_S = 3.0
+#: How long a faulthandler dump may take to appear in a rank's log.
+_DUMP_WAIT_S = 5.0
 
 
 class PoolStartupError(RuntimeError):
@@ -137,6 +149,7 @@ class _Rank:
     process: Any
     conn: Any
     log_path: Path
+    control: Any = None  # the pipe on which the rank's reporter thread answers hang-report requests
 
 
 class WorkerPool:
@@ -176,16 +189,21 @@ class WorkerPool:
         context = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):
             parent_conn, child_conn = context.Pipe(duplex=True)
+            parent_control, child_control = context.Pipe(duplex=True)
             log_path = self._tmpdir / f"rank{rank}.log"
             log_path.touch()
             config = WorkerConfig(rank, self.world_size, store_path, str(log_path), os.getpid(), tuple(sys.path))
             process = context.Process(
-                target=worker_main, args=(config, child_conn), name=f"shardext-rank{rank}", daemon=True
+                target=worker_main,
+                args=(config, child_conn, child_control),
+                name=f"shardext-rank{rank}",
+                daemon=True,
             )
             with _inherited_output(log_path):
                 process.start()
             child_conn.close()
-            self._ranks.append(_Rank(process, parent_conn, log_path))
+            child_control.close()
+            self._ranks.append(_Rank(process, parent_conn, log_path, parent_control))
         self._await_ready()
 
     def _await_ready(self) -> None:
@@ -240,6 +258,8 @@ class WorkerPool:
                 rank.process.kill()
                 rank.process.join(5.0)
             rank.conn.close()
+            if rank.control is not None:
+                rank.control.close()
         self._ranks = []
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -313,17 +333,62 @@ class WorkerPool:
         return None
 
     def _dump_stacks(self, outcome: PoolOutcome) -> None:
-        if STACK_DUMP_SIGNAL is None:
-            return
-        sizes = {}
+        """Fill ``outcome.hung`` with each hung rank's report (its reporter thread, else faulthandler)."""
+        answers = self._ask_reporters(sorted(outcome.hung))
+        silent = [rank for rank in outcome.hung if not answers.get(rank)]
+        dumps = self._faulthandler_dumps(silent)
         for rank in outcome.hung:
+            if answers.get(rank):
+                outcome.hung[rank] = answers[rank].strip()
+            elif dumps.get(rank):
+                outcome.hung[rank] = (
+                    f"(no answer from the rank's reporter thread within {REPORT_WAIT_S:g} s: a C call holds "
+                    "its GIL; pending collective unknown; faulthandler's dump follows)\n" + dumps[rank]
+                )
+            else:
+                outcome.hung[rank] = (
+                    f"(no answer from the rank's reporter thread within {REPORT_WAIT_S:g} s and no "
+                    f"faulthandler output within {_DUMP_WAIT_S:g} s after signal {STACK_DUMP_SIGNAL!s}: "
+                    "the process may be stopped, or a library replaced the signal's handler)"
+                )
+
+    def _ask_reporters(self, ranks: list[int]) -> dict[int, str]:
+        asked: dict[Any, int] = {}
+        for rank in ranks:
+            control = self._ranks[rank].control
+            try:
+                control.send(("report",))
+                asked[control] = rank
+            except (OSError, AttributeError, ValueError):
+                pass
+        answers: dict[int, str] = {}
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while asked and (remaining := deadline - time.monotonic()) > 0:
+            for ready in multiprocessing.connection.wait(list(asked), timeout=remaining):
+                rank = asked.pop(ready)
+                try:
+                    answers[rank] = str(ready.recv())
+                except (EOFError, OSError):
+                    pass
+        return answers
+
+    def _faulthandler_dumps(self, ranks: list[int]) -> dict[int, str]:
+        if STACK_DUMP_SIGNAL is None or not ranks:
+            return {}
+        sizes = {}
+        for rank in ranks:
             sizes[rank] = self._ranks[rank].log_path.stat().st_size
             try:
                 os.kill(self._ranks[rank].process.pid, STACK_DUMP_SIGNAL)
             except OSError:
                 pass
-        time.sleep(1.0)  # faulthandler writes from a signal handler; give it a moment
-        for rank, size in sizes.items():
-            dump = self._read_log(rank, size)
-            outcome.hung[rank] = dump.strip()
-
+        # faulthandler writes from a signal handler: wait until every log grew and then stayed put.
+        deadline = time.monotonic() + _DUMP_WAIT_S
+        last: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = {rank: self._ranks[rank].log_path.stat().st_size for rank in ranks}
+            if all(now[r] > sizes[r] for r in ranks) and now == last:
+                break
+            last = now
+        return {rank: reformat_faulthandler(self._read_log(rank, size)) for rank, size in sizes.items()}

@@ -27,6 +27,25 @@ def test_wrapper_is_installed_with_provenance_and_undone_exactly():
     assert AFNO2DLayer.__dict__["forward"] is installed
 
 
+def test_the_plugin_loaded_when_this_module_imported_the_layer():
+    # The import at the top of this file ran afno_layers: the plugin loaded right after it.
+    [report] = [r for r in physicsnemo_shardext.get_registry().reports() if r.plugin.name == "afno"]
+    assert report.status.value == "loaded"
+
+
+def test_the_plugin_waits_for_afno_layers_and_wraps_before_any_layer_exists(python_runner):
+    code = (
+        "import sys, physicsnemo_shardext as s\n"
+        "status = lambda: [r.status.value for r in s.get_registry().reports() if r.plugin.name == 'afno'][0]\n"
+        "print(status(), 'physicsnemo.nn' in sys.modules)\n"
+        "from physicsnemo.nn.module.afno_layers import AFNO2DLayer\n"
+        "print(status(), hasattr(AFNO2DLayer.__dict__['forward'], '__wrapped__'))\n"
+    )
+    result = python_runner(code, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-4:] == ["deferred", "False", "loaded", "True"]
+
+
 def test_plain_inputs_run_the_original_forward_unchanged():
     torch.manual_seed(0)
     layer = AFNO2DLayer(hidden_size=8, num_blocks=2, hard_thresholding_fraction=0.5)

@@ -4,9 +4,19 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Shard
 
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, chunk_split_sizes, shard_tensor
+from physicsnemo_shardext import MissingShardPatch
+from physicsnemo_shardext.testing import (
+    CommCounter,
+    ShardSpec,
+    check_conformance,
+    chunk_split_sizes,
+    partial_tensor,
+    shard_tensor,
+    split_cases,
+)
 
 # --8<-- [end:imports]
 
@@ -34,6 +44,42 @@ def test_sharding_helpers(domain_mesh, spatial_mesh):
 
 
 # --8<-- [end:sharding]
+
+
+# --8<-- [start:spatial]
+@pytest.mark.multirank(2)
+def test_2d_sharding_on_two_ranks(spatial_mesh):
+    assert tuple(spatial_mesh.shape) == (2, 1)  # (2, N/2): still a 2-D mesh on 2 ranks
+    full = torch.randn(1, 2, 8, 6)
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [3, 5], 1: [6]})
+    check_conformance(torch.nn.Conv2d(2, 3, 3, padding=1), [full], spec)
+
+
+# --8<-- [end:spatial]
+
+
+# --8<-- [start:split_cases]
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("sizes", split_cases(17, 2))  # ids: balanced-9-8, uneven-6-11, empty-17-0
+def test_tanh_on_every_split(domain_mesh, sizes):
+    x = torch.randn(3, 17)
+    check_conformance(torch.nn.Tanh(), [x], ShardSpec(domain_mesh, [Shard(1)], sizes))
+
+
+# --8<-- [end:split_cases]
+
+
+# --8<-- [start:partial]
+@pytest.mark.multirank(2)
+def test_conv_refuses_a_partial_input_with_a_bias(domain_mesh):
+    full = torch.randn(1, 2, 9)
+    xp = partial_tensor(full, domain_mesh, [Partial("sum")])  # each rank holds a term; they add up to full
+    assert torch.allclose(xp.full_tensor(), full)
+    with pytest.raises(MissingShardPatch, match="Partial"):
+        F.conv1d(xp, torch.randn(3, 2, 3), torch.randn(3), padding=1)
+
+
+# --8<-- [end:partial]
 
 
 # --8<-- [start:conformance]

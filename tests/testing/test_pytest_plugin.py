@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 INNER = '''
 import os, time
@@ -99,13 +104,17 @@ def test_failing_hanging_and_dying_ranks_are_reported(pytester: pytest.Pytester)
         "*assert rank == 0*",
         "*AssertionError: rank 1 disagrees*",
     ])
-    # hanging rank: reported within the 10 s timeout, with its Python stack
+    # hanging rank: reported within the 10 s timeout, with the collective it waits in and its
+    # Python stacks, innermost call last
     result.stdout.fnmatch_lines([
         "multirank(2) test rank(s) [[]1[]] hung (no result within 10 s)*",
         "rank 0: passed*",
         "rank 1: HUNG, Python stacks at the timeout:",
-        "*in barrier*",
+        "*pending collective: barrier() over a process group of 2 ranks, issued at *test_inner.py:* in "
+        "test_c_hangs_on_rank_1 (thread MainThread, waiting *",
+        "*Thread MainThread:",
         "*test_inner.py*in test_c_hangs_on_rank_1*",
+        "*, in barrier",
     ])
     # dying rank: its exit code
     result.stdout.fnmatch_lines(["*rank 1: DIED with exit code 7*"])
@@ -184,3 +193,41 @@ def test_monkeypatch_on_a_rank_sets_the_value(monkeypatch, rank):
 def test_monkeypatch_on_a_rank_is_undone_before_the_next_test(rank):
     # Runs in the same long-lived workers as the test above (same pool, file order).
     assert "SHARDEXT_TEST_MONKEYPATCH_LEAK" not in os.environ
+
+
+@pytest.mark.parametrize(
+    "ranks", [pytest.param(n, marks=pytest.mark.multirank(n), id=f"{n}ranks") for n in (2, 4)]
+)
+def test_spatial_mesh_is_two_dimensional_on_two_and_four_ranks(spatial_mesh, world_size, rank, ranks):
+    # (2, N/2): (2, 1) on 2 ranks, so 2-D tests also run under torchrun --nproc-per-node 2.
+    assert world_size == ranks
+    assert spatial_mesh.ndim == 2 and spatial_mesh.mesh_dim_names == ("h", "w")
+    assert tuple(spatial_mesh.shape) == (2, ranks // 2)
+    hs, ws = [3, 5], {2: [6], 4: [4, 2]}[ranks]
+    spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: hs, 1: ws})
+    full = torch.randn(1, 2, 8, 6)
+    xs = shard_tensor(full, spatial_mesh, spec.placements, spec.sizes_by_mesh_dim, requires_grad=True)
+    h, w = spatial_mesh.get_coordinate()
+    assert xs.to_local().shape == (1, 2, hs[h], ws[w])
+    assert torch.equal(xs.full_tensor(), full)
+    check_conformance(torch.nn.Conv2d(2, 3, 3, padding=1), [full], spec)
+
+
+_GATHER_DEPRECATION = "`torch.distributed._functional_collectives.all_gather_tensor` is deprecated"
+
+
+@pytest.mark.multirank(2)
+def test_physicsnemos_gather_deprecation_is_not_shown_in_rank_bodies(domain_mesh):
+    full = torch.randn(2, 17, 8)
+    xs = shard_tensor(full, domain_mesh, [Shard(1)], [10, 7])
+    with warnings.catch_warnings(record=True) as unfiltered:
+        warnings.simplefilter("always")  # in front of the body's filters: shows what PhysicsNeMo emits
+        xs.full_tensor()
+    if not any(_GATHER_DEPRECATION in str(w.message) for w in unfiltered):
+        pytest.skip("PhysicsNeMo no longer gathers through the deprecated all_gather_tensor")
+    with warnings.catch_warnings(record=True) as caught:  # the body's filters, recording what they let through
+        check_conformance(torch.nn.LayerNorm(8), [full], ShardSpec(domain_mesh, [Shard(1)], [10, 7]))
+        warnings.warn("another FutureWarning still shows", FutureWarning)
+    messages = [str(w.message) for w in caught]
+    assert not any(_GATHER_DEPRECATION in m for m in messages), messages
+    assert "another FutureWarning still shows" in messages
