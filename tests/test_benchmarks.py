@@ -115,3 +115,21 @@ def test_runner_reports_every_ratio_and_the_exact_conv_halo_on_2_ranks(tmp_path)
     assert "| convolution | Conv2d(2, 2, 3, stride=2, padding=1) | 2 | 1.000 | 1.000 |" in result.stdout
     assert sorted(p.name for p in plots.iterdir()) == ["family-bytes.svg", "family-memory.svg"]
     assert all(p.read_text().lstrip().startswith("<?xml") for p in plots.iterdir())
+
+
+def test_pytest_startup_benchmark_compares_with_and_without_the_plugin(tmp_path):
+    report_file = tmp_path / "startup.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "pytest_startup.py"), "--repeats", "1", "--json", str(report_file)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    report = json.loads(report_file.read_text())
+    assert set(report["results"]) == {"with plugin", "-p no:shardext"}
+    assert report["goals"] == {"seconds": 0.3, "mib": 20.0}
+    for name, row in report["results"].items():
+        assert len(row["seconds"]) == len(row["peak_mib"]) == 1 and row["median_mib"] > 0
+        assert f"| {name} | {row['median_s']:.2f} | {row['median_mib']:.1f} |" in result.stdout
+    assert re.search(r"^goal \(at most \+0\.3 s and \+20 MiB\): (met|not met)$", result.stdout, re.M)
+    # Not a timing test; memory is steady, though: torch alone would add hundreds of MiB.
+    assert report["overhead"]["mib"] <= 20, report

@@ -42,7 +42,8 @@ def _discover() -> list[str]:
     # ``patches/`` installs as ``physicsnemo_shardext.patches`` from its own directory
     # (pyproject's package-dir), so it is walked from its own path.
     patches = importlib.import_module("physicsnemo_shardext.patches")
-    names = {physicsnemo_shardext.__name__, patches.__name__}
+    # The pytest entry point is a top-level module of the distribution (pyproject's py-modules).
+    names = {physicsnemo_shardext.__name__, patches.__name__, "physicsnemo_shardext_pytest"}
     for package in (physicsnemo_shardext, patches):
         for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
             names.add(info.name)

@@ -154,9 +154,9 @@ def test_natten_handlers_join_the_baseline_and_survive_restores(python_runner):
         "late": ["na1d", "na2d", "na3d"],
         "after_sandbox": True,
         "row": ["physicsnemo", "ok"],
-        # Loaded inside the sandbox, undone on its exit: deferred again, until resume_ready().
-        "afno": ["deferred"],
-        "afno_resumed": ["loaded"],
+        # Loaded inside the sandbox and undone on its exit; sandbox() loads it again on exit.
+        "afno": ["loaded"],
+        "afno_resumed": [],
         "after_restore": True,
     }
 

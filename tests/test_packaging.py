@@ -28,8 +28,10 @@ def test_wheel_maps_patches_into_the_package_namespace(wheel):
     assert "physicsnemo_shardext/patches/pointwise.py" in names
     assert "physicsnemo_shardext/testing/pytest_plugin.py" in names
     assert "physicsnemo_shardext/hookspecs.py" in names
+    assert "physicsnemo_shardext_pytest.py" in names  # the torch-free pytest entry point
     top_level = {name.split("/")[0] for name in names}
-    assert top_level == {"physicsnemo_shardext", next(n for n in top_level if n.endswith(".dist-info"))}
+    dist_info = next(n for n in top_level if n.endswith(".dist-info"))
+    assert top_level == {"physicsnemo_shardext", "physicsnemo_shardext_pytest.py", dist_info}
     assert not any(name.startswith(("patches/", "tests/", "entry_points/", "examples/")) for name in names)
 
 
@@ -42,7 +44,7 @@ def test_wheel_declares_plugin_pytest_and_console_entry_points(wheel):
         assert families[family] == f"physicsnemo_shardext.patches.{family}"
     for module in families.values():  # every first-party entry point names a module the wheel ships
         assert module.replace(".", "/") + ".py" in wheel.namelist()
-    assert "[pytest11]\nshardext = physicsnemo_shardext.testing.pytest_plugin" in text
+    assert "[pytest11]\nshardext = physicsnemo_shardext_pytest" in text
     assert "shardext = physicsnemo_shardext.cli:main" in text
 
 

@@ -1,4 +1,9 @@
-"""pytest plugin (entry point ``pytest11: shardext``): run test bodies on N ranks.
+"""pytest plugin implementation: run test bodies on N ranks.
+
+pytest loads the entry point ``pytest11: shardext``, the light module
+`physicsnemo_shardext_pytest` (ini values, marker, fixtures); it imports and
+registers this module only once a collected test is marked ``multirank`` or
+uses a multirank fixture, so other test runs never import torch or PhysicsNeMo.
 
 Mark a test with ``@pytest.mark.multirank(N)`` (optionally ``timeout=`` seconds
 and ``seed=``):
@@ -53,9 +58,14 @@ import pytest
 
 from physicsnemo_shardext.testing.isolation import DEFAULT_SEED, registry_sandbox_context, rank_test_environment
 from physicsnemo_shardext.testing.placeholders import RankValue, build
-from physicsnemo_shardext.testing.splits import SplitCase
 
-__all__ = ["MultirankController", "launched_by_torchrun", "marker_world_size"]
+__all__ = [
+    "MultirankController",
+    "fixture_value",
+    "launched_by_torchrun",
+    "marker_world_size",
+    "registry_sandbox_values",
+]
 
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "SHARDEXT_TEST_TIMEOUT"
@@ -162,24 +172,16 @@ def _controller(config: pytest.Config) -> MultirankController:
 
 
 # -- hooks ------------------------------------------------------------------------------
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addini("shardext_timeout", "default timeout (s) of a multirank test (120)", default="")
-    parser.addini("shardext_grace", "seconds the other ranks get after one rank failed or died (10)", default="")
-    parser.addini("shardext_startup_timeout", "seconds a worker pool may take to start (300)", default="")
-
-
+# Ini values, the marker line, fixtures and SplitCase ids are declared by the entry
+# point (`physicsnemo_shardext_pytest`), which registers this module when needed.
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "multirank(n, timeout=None, seed=None): run the test body on n ranks "
-        "(spawned gloo/NCCL workers, or inline under torchrun with WORLD_SIZE == n).",
-    )
+    # Loaded on its own (`-p physicsnemo_shardext.testing.pytest_plugin`, `pytest_plugins`,
+    # stale metadata naming the old entry point): the declarations come with it.
+    import physicsnemo_shardext_pytest as entry_point
+
+    if not config.pluginmanager.is_registered(entry_point):
+        config.pluginmanager.register(entry_point, entry_point.__name__)
     config.stash[_CONTROLLER] = MultirankController(config)
-
-
-def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
-    """Test ids for `SplitCase` values: ``uneven-6-11`` rather than ``sizes0``."""
-    return val.id if isinstance(val, SplitCase) else None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -258,8 +260,9 @@ def _run_on_pool(item: pytest.Function, controller: MultirankController, marker:
     pytest.fail(outcome.report(), pytrace=False)
 
 
-# -- fixtures ---------------------------------------------------------------------------
-def _rank_value(request: pytest.FixtureRequest, kind: str) -> Any:
+# -- fixture bodies (the fixtures are declared in physicsnemo_shardext_pytest) ----------
+def fixture_value(request: pytest.FixtureRequest, kind: str) -> Any:
+    """The value of multirank fixture ``kind``: built on the rank (torchrun) or a placeholder for the workers."""
     controller = _controller(request.config)
     if controller.torchrun:
         controller.ensure_initialized()
@@ -269,48 +272,8 @@ def _rank_value(request: pytest.FixtureRequest, kind: str) -> Any:
     return RankValue(kind)
 
 
-@pytest.fixture
-def domain_mesh(request: pytest.FixtureRequest) -> Any:
-    """1-D ``DeviceMesh`` over all ranks, dim name ``"domain"``."""
-    return _rank_value(request, "domain_mesh")
-
-
-@pytest.fixture
-def ddp_domain_mesh(request: pytest.FixtureRequest) -> Any:
-    """2-D ``DeviceMesh`` ``(2, N/2)`` named ``("ddp", "domain")`` (2x2 with 4 ranks; even N >= 4)."""
-    return _rank_value(request, "ddp_domain_mesh")
-
-
-@pytest.fixture
-def spatial_mesh(request: pytest.FixtureRequest) -> Any:
-    """2-D ``DeviceMesh`` ``(2, N/2)`` named ``("h", "w")`` for ``[Shard(H), Shard(W)]``, any even N.
-
-    On 2 ranks it is ``(2, 1)``: H split in two, W whole on each rank (one split size
-    for mesh dim 1, e.g. ``{0: [3, 5], 1: [6]}``), still a 2-D mesh, so 2-D code paths
-    run under ``torchrun --nproc-per-node 2`` as well.
-    """
-    return _rank_value(request, "spatial_mesh")
-
-
-@pytest.fixture
-def rank(request: pytest.FixtureRequest) -> Any:
-    """This rank's global rank (``torch.distributed.get_rank()``)."""
-    return _rank_value(request, "rank")
-
-
-@pytest.fixture
-def world_size(request: pytest.FixtureRequest) -> Any:
-    """The number of ranks."""
-    return _rank_value(request, "world_size")
-
-
-@pytest.fixture
-def registry_sandbox(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """Registries restored after the test; yields the plugin registry (or a snapshot).
-
-    Multirank bodies are always sandboxed; this fixture makes it explicit and gives
-    single-process tests the same isolation.
-    """
+def registry_sandbox_values(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The ``registry_sandbox`` fixture: a placeholder for spawned ranks, else a sandboxed registry."""
     controller = _controller(request.config)
     if not controller.torchrun and request.node.get_closest_marker("multirank") is not None:
         yield RankValue("registry_sandbox")
