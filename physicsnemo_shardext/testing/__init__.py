@@ -1,8 +1,9 @@
 """Multi-rank testing for ShardTensor patches: pytest plugin, fixtures, sharding helpers, conformance.
 
-The pytest plugin (``physicsnemo_shardext.testing.pytest_plugin``) is loaded by
-pytest through the ``pytest11`` entry point. The helpers below are imported
-lazily, so loading the plugin does not import torch.
+pytest loads the light, torch-free ``physicsnemo_shardext_pytest`` through the
+``pytest11`` entry point; it imports the implementation
+(``physicsnemo_shardext.testing.pytest_plugin``) only once a collected test uses
+the ``multirank`` marker or a fixture. The helpers below are imported lazily too.
 
 Examples:
     A multi-rank conformance test:

@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 from physicsnemo_shardext.testing.sharding import (
     SplitSizes,
     chunk_split_sizes,
-    local_slices,
+    local_block,
     normalize_split_sizes,
     sharding_shapes_for,
 )
@@ -153,12 +153,7 @@ def partial_tensor(
     placements = list(placements) if placements is not None else [Partial("sum")] * mesh.ndim
     reduce_op = _reduce_op(placements)
     sizes = normalize_split_sizes(full.shape, tuple(mesh.shape), placements, sizes_by_mesh_dim)
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise RuntimeError("this rank is not part of the mesh")
-    local = full.detach()
-    for dim, start, length in local_slices(full.shape, placements, sizes, coordinate):
-        local = local.narrow(dim, start, length)
+    local, coordinate = local_block(full, mesh, placements, sizes)
     partial_dims = [mesh_dim for mesh_dim, p in enumerate(placements) if isinstance(p, Partial)]
     for step, mesh_dim in enumerate(partial_dims):
         # Every rank with this rank's shard draws the same terms; it keeps its own.

@@ -174,6 +174,23 @@ def local_slices(
     return steps
 
 
+def local_block(
+    full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], sizes: Mapping[int, Sequence[int]]
+) -> tuple[torch.Tensor, list[int]]:
+    """This rank's block of ``full`` (a detached view) and its mesh coordinate.
+
+    ``sizes`` are normalized split sizes (`normalize_split_sizes`). Raises
+    ``RuntimeError`` on a rank outside ``mesh``.
+    """
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError("this rank is not part of the mesh")
+    local = full.detach()
+    for dim, start, length in local_slices(full.shape, placements, sizes, coordinate):
+        local = local.narrow(dim, start, length)
+    return local, list(coordinate)
+
+
 def shard_tensor(
     full: torch.Tensor,
     mesh: DeviceMesh,
@@ -212,12 +229,7 @@ def shard_tensor(
         sizes_by_mesh_dim = split_sizes
     placements = list(placements)
     sizes = normalize_split_sizes(full.shape, tuple(mesh.shape), placements, sizes_by_mesh_dim)
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise RuntimeError("this rank is not part of the mesh")
-    local = full.detach()
-    for dim, start, length in local_slices(full.shape, placements, sizes, coordinate):
-        local = local.narrow(dim, start, length)
+    local, coordinate = local_block(full, mesh, placements, sizes)
     local = local.contiguous().clone()
     shapes = sharding_shapes_for(full.shape, placements, sizes, coordinate)
     result = ShardTensor.from_local(local, mesh, placements, sharding_shapes=shapes)
