@@ -133,6 +133,7 @@ from physicsnemo_shardext.primitives import (
     is_partial,
     is_replicated,
     is_tracing,
+    local_of,
     replicated_local,
     sharded_dims,
     sum_grad_over,
@@ -641,7 +642,7 @@ def _local_mask(mask: Any, q: ShardTensor, q_layout: DimLayout, kv_len: int) -> 
         and mask_layout.mesh_dim == q_layout.mesh_dim
         and mask_layout.sizes == q_layout.sizes
     ):
-        return mask.to_local()
+        return local_of(mask)
     raise MissingShardPatch(
         f"{_NAME}: attn_mask with placements {tuple(mask.placements)} and shape {tuple(mask.shape)}; "
         "a mask must be replicated or sharded on its query dim (-2) like the query"
@@ -746,12 +747,12 @@ def _replicated_query_sdpa(bound: dict[str, Any]) -> Any:
             own = mask_layouts.get(mask.ndim - 1)
             if len(mask_layouts) != 1 or own is None or (own.mesh_dim, own.sizes) != (k_layout.mesh_dim, k_layout.sizes):
                 return None
-            local_mask = mask.to_local()
+            local_mask = local_of(mask)
     # The query is used against each rank's keys only: its gradient is the sum over the ranks.
     q_local = sum_grad_over(replicated_local(q, f"{_NAME}: query"), mesh, mesh_dims)
     gqa_repeat = q.shape[-3] // k.shape[-3] if enable_gqa and q.ndim >= 3 else 1
     out = replicated_query_attention(
-        q_local, k.to_local(), v.to_local(), k_layout,
+        q_local, local_of(k), local_of(v), k_layout,
         mask=local_mask, scale=bound["scale"], is_causal=is_causal, gqa_repeat=gqa_repeat,
     )
     return build_shard_tensor(out, mesh, [Replicate()] * mesh.ndim, {})
@@ -778,7 +779,7 @@ def _batch_or_head_sdpa(func: Callable[..., Any], bound: dict[str, Any]) -> Any:
         if not handled:
             return None
     out = func(
-        q.to_local(), k.to_local(), v.to_local(), attn_mask=local_mask, dropout_p=bound["dropout_p"],
+        local_of(q), local_of(k), local_of(v), attn_mask=local_mask, dropout_p=bound["dropout_p"],
         is_causal=bool(bound["is_causal"]), scale=bound["scale"], enable_gqa=bool(bound["enable_gqa"]),
     )
     if layout.local_size == 0 and local_mask is not None and local_mask.requires_grad:
@@ -842,7 +843,7 @@ def sharded_sdpa(
         mesh_dims = [q_layout.mesh_dim]
         k_local = sum_grad_over(replicated_local(k, f"{_NAME}: key"), q_layout.mesh, mesh_dims)
         v_local = sum_grad_over(replicated_local(v, f"{_NAME}: value"), q_layout.mesh, mesh_dims)
-        out = func(q.to_local(), k_local, v_local, attn_mask=local_mask, scale=scale, enable_gqa=enable_gqa)
+        out = func(local_of(q), k_local, v_local, attn_mask=local_mask, scale=scale, enable_gqa=enable_gqa)
         return from_local_like(out.contiguous(), q)
 
     k_layout, v_layout = _sequence_layout(k), _sequence_layout(v)
@@ -866,9 +867,9 @@ def sharded_sdpa(
     if mask is not None and local_mask is None:
         return delegate(func, types, args, kwargs)
     out = ring_attention_local(
-        q.to_local(),
-        k.to_local(),
-        v.to_local(),
+        local_of(q),
+        local_of(k),
+        local_of(v),
         k_layout,
         (q_layout.start, q_layout.stop),
         mask=local_mask,
@@ -1050,7 +1051,7 @@ def _mha_on_local_batches(func: Callable[..., Any], bound: dict[str, Any]) -> tu
 
     replicated = _ReplicatedOperands(batch)
     call = dict(bound)
-    blocks = {id(t): t.to_local() for t in (query, key, value)}  # self-attention stays one tensor
+    blocks = {id(t): local_of(t) for t in (query, key, value)}  # self-attention stays one tensor
     call["query"], call["key"], call["value"] = blocks[id(query)], blocks[id(key)], blocks[id(value)]
     for name in _MHA_PARAMETERS:
         call[name] = replicated(bound[name], name)
@@ -1061,14 +1062,14 @@ def _mha_on_local_batches(func: Callable[..., Any], bound: dict[str, Any]) -> tu
             call["attn_mask"] = call["attn_mask"].narrow(0, batch.start * heads, batch.local_size * heads)
     if padding is not None:
         call["key_padding_mask"] = (
-            padding.to_local()
+            local_of(padding)
             if padding_layout is not None
             else replicated(padding, "key_padding_mask").narrow(0, batch.start, batch.local_size)
         )
     if batch.local_size:
         out, weights = func(**call)
     else:  # torch's function cannot view an empty batch with masks: empty results, kept in the backward graph
-        out = query.to_local().new_zeros((query.shape[0], 0, bound["out_proj_weight"].shape[0]))
+        out = local_of(query).new_zeros((query.shape[0], 0, bound["out_proj_weight"].shape[0]))
         out = tie_to_graph(out, *blocks.values(), call["key_padding_mask"], call["attn_mask"])
         src_len = key.shape[0] + (bound["bias_k"] is not None) + bool(bound["add_zero_attn"])
         per_head = () if bound["average_attn_weights"] else (bound["num_heads"],)
@@ -1172,9 +1173,9 @@ def sharded_multi_head_attention(
     replicated = _ReplicatedOperands(q_layout)
 
     # Local tokens (unbatched: a batch of one, as torch does) and the in-projection.
-    x_q = query.to_local()
-    x_k = key.to_local() if kv_layout is not None else replicated(key, "key")
-    x_v = x_k if value is key else (value.to_local() if kv_layout is not None else replicated(value, "value"))
+    x_q = local_of(query)
+    x_k = local_of(key) if kv_layout is not None else replicated(key, "key")
+    x_v = x_k if value is key else (local_of(value) if kv_layout is not None else replicated(value, "value"))
     if not batched:
         x_q, x_k, x_v = x_q.unsqueeze(1), x_k.unsqueeze(1), x_v.unsqueeze(1)
     if bound["use_separate_proj_weight"]:
@@ -1204,7 +1205,7 @@ def sharded_multi_head_attention(
         rows = (
             replicated(attn_mask, "attn_mask").narrow(attn_mask.ndim - 2, q_layout.start, q_layout.local_size)
             if _replicated(attn_mask)
-            else attn_mask.to_local()
+            else local_of(attn_mask)
         )
         rows = _additive(rows, q.dtype)
         mask = rows.unflatten(0, (batch, heads)) if rows.ndim == 3 else rows[None, None]
@@ -1314,7 +1315,7 @@ def _fused_mask_rows(mask: Any, dim: int, layout: DimLayout) -> tuple[bool, Any]
     if split is not None and mask.ndim == 4 and split[0] == own_dim:
         mask_layout = split[1]
         if (mask_layout.mesh, mask_layout.mesh_dim, mask_layout.sizes) == (layout.mesh, layout.mesh_dim, layout.sizes):
-            return True, mask.to_local()
+            return True, local_of(mask)
     return False, None
 
 
@@ -1332,7 +1333,7 @@ def _fused_on_local_blocks(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     if not handled:
         return None
     local_kwargs = {**kwargs, "attn_mask": local_mask} if "attn_mask" in kwargs else kwargs
-    results = func(*(t.to_local() for t in tensors), *rest, **local_kwargs)
+    results = func(*(local_of(t) for t in tensors), *rest, **local_kwargs)
     placements = query._spec.placements
     return tuple(build_shard_tensor(r, layout.mesh, placements, {dim: layout.sizes}) for r in results)
 

@@ -81,6 +81,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
@@ -97,6 +99,8 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    local_of,
+    meta_output_shape,
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
@@ -153,6 +157,15 @@ def conv_row_plan(
         >>> plan.out_sizes(), plan.rows[1], plan.before, plan.after
         ([5, 3], (9, 10, 11, 12, 13, 14, 15, 16), (1, 0), (0, 0))
     """
+    # Cached: a layer asks for the same plan every step, and building it walks every row.
+    return _conv_row_plan(tuple(int(s) for s in sizes), int(k), int(stride), int(dilation), int(pad_left),
+                          int(total_out))
+
+
+@functools.lru_cache(maxsize=1024)
+def _conv_row_plan(
+    sizes: tuple[int, ...], k: int, stride: int, dilation: int, pad_left: int, total_out: int
+) -> RowPlan:
     offsets = [sum(sizes[:c]) for c in range(len(sizes))]
     total_in, reach = sum(sizes), dilation * (k - 1)
     # Output o covers input rows o*s - pad_left + [0, reach]; it belongs to whoever holds its centre.
@@ -184,6 +197,14 @@ def conv_transpose_row_plan(
         >>> plan.out_sizes(), plan.rows, plan.before, plan.after
         ([10, 8], ((0, 1, 2, 3, 4, 5), (5, 6, 7, 8)), (-1, -1), (-2, 0))
     """
+    return _conv_transpose_row_plan(tuple(int(s) for s in sizes), int(k), int(stride), int(dilation), int(padding),
+                                    int(total_out))
+
+
+@functools.lru_cache(maxsize=1024)
+def _conv_transpose_row_plan(
+    sizes: tuple[int, ...], k: int, stride: int, dilation: int, padding: int, total_out: int
+) -> RowPlan:
     offsets = [sum(sizes[:c]) for c in range(len(sizes))]
     total_in, reach = sum(sizes), dilation * (k - 1)
     # Input i spreads to uncropped rows i*s + [0, reach]; its centre lands on output i*s - padding + reach//2.
@@ -222,7 +243,7 @@ def _ints(value: Any, n: int, what: str, op: str) -> tuple[int, ...]:
 
 def _autocast_dtype(x: ShardTensor) -> torch.dtype | None:
     """The dtype autocast gives a convolution of ``x``'s local block, or ``None`` outside autocast."""
-    device_type = x.to_local().device.type
+    device_type = local_of(x).device.type
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
@@ -287,13 +308,11 @@ def sharded_conv(
     # tensors. Autocast does not run on the meta device: there the arguments take the dtype autocast
     # gives the local conv.
     dtype = _autocast_dtype(x)
-    meta = lambda t: None if t is None else torch.empty(t.shape, device="meta", dtype=dtype or t.dtype)  # noqa: E731
     if transposed:
-        global_out = func(
-            meta(x), meta(weight), meta(bias), a["stride"], padding, a["output_padding"], groups, a["dilation"]
-        )
+        meta_args = (x, weight, bias, a["stride"], padding, a["output_padding"], groups, a["dilation"])
     else:
-        global_out = func(meta(x), meta(weight), meta(bias), a["stride"], padding, a["dilation"], groups)
+        meta_args = (x, weight, bias, a["stride"], padding, a["dilation"], groups)
+    global_shape = meta_output_shape(func, meta_args, dtype=dtype)
     n = weight.ndim - 2
     stride, dilation = _ints(a["stride"], n, "stride", op), _ints(a["dilation"], n, "dilation", op)
     output_padding = _ints(a.get("output_padding", 0), n, "output_padding", op)
@@ -314,7 +333,7 @@ def sharded_conv(
     if bias is not None:
         bias = sum_grad_over(bias, x._spec.mesh, mesh_dims)
 
-    local = x.to_local()
+    local = local_of(x)
     new_sizes: dict[int, list[int]] = {}
     adjust: dict[int, tuple[int, int]] = {}
     empty = False
@@ -322,16 +341,16 @@ def sharded_conv(
         i = d - 2
         k = weight.shape[d]
         if transposed:
-            plan = conv_transpose_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_out.shape[d])
+            plan = conv_transpose_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_shape[d])
         else:
-            plan = conv_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_out.shape[d])
-        local = gather_global_indices(local, layout, [list(r) for r in plan.rows])
+            plan = conv_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_shape[d])
+        local = gather_global_indices(local, layout, plan.rows)
         me = layout.coord
         new_sizes[d] = plan.out_sizes()
         empty |= not plan.rows[me] if transposed else new_sizes[d][me] == 0
         adjust[d] = (plan.before[me], plan.after[me])
 
-    shape = list(global_out.shape)
+    shape = list(global_shape)
     shape[0] = local.shape[0]
     for d, sizes in new_sizes.items():
         shape[d] = sizes[layouts[d].coord]

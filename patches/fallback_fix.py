@@ -55,6 +55,12 @@ Third correction: ``Partial(avg)`` results. The fallback's own function
 unequal shards, gradient scaled by the mesh size on torch 2.14) raises
 ``MissingShardPatch`` unless it is harmless (`refuse_partial_avg`).
 
+Fourth: metadata reads. ``x.shape``, ``x.dim()``, ``x.dtype`` and the like also go
+through the DTensor fallback (a conversion round trip per read) although the
+ShardTensor wrapper holds the same global values; `METADATA_GETTERS` joins
+ShardTensor's ``_autograd_passthrough_functions``, which PhysicsNeMo runs directly
+on the wrapper.
+
 Refused (``MissingShardPatch``): a fallback result holding ``Partial(avg)`` unless
 the shards are equal and no gradient is needed (its value or its gradient would be
 wrong); and, in the backward entry points, a single plain tensor passed as
@@ -461,6 +467,36 @@ def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | Non
     return refuse_partial_avg(func, args, kwargs, original(func, args, kwargs))
 
 
+# -- metadata reads -----------------------------------------------------------------------
+_PASSTHROUGH = "_autograd_passthrough_functions"
+_T = torch.Tensor
+#: What ``x.shape``, ``x.ndim``, ``x.dim()``, ``x.size()``... hand to ``__torch_function__``. The
+#: wrapper ShardTensor is built with the global shape, the local dtype and device, so these
+#: answer exactly what the DTensor the fallback would build answers.
+METADATA_GETTERS: frozenset[Any] = frozenset({
+    _T.shape.__get__, _T.ndim.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__,
+    _T.is_cuda.__get__, _T.dim, _T.ndimension, _T.size, _T.numel, _T.nelement,
+    _T.is_floating_point, _T.is_complex, _T.element_size,
+})
+PASSTHROUGH_WITH_METADATA: frozenset[Any] = frozenset(
+    getattr(ShardTensor, _PASSTHROUGH, frozenset())) | METADATA_GETTERS
+
+
+def metadata_passthrough_applies() -> bool:
+    """Whether this PhysicsNeMo has the passthrough set (2.2 does) and sends metadata reads to the fallback.
+
+    Examples:
+        >>> METADATA_GETTERS <= ShardTensor._autograd_passthrough_functions   # installed: applied already
+        True
+        >>> import physicsnemo_shardext
+        >>> with physicsnemo_shardext.disabled(plugins=["fallback_fix"]):
+        ...     metadata_passthrough_applies()
+        True
+    """
+    held = getattr(ShardTensor, _PASSTHROUGH, None)
+    return isinstance(held, frozenset) and not METADATA_GETTERS <= held
+
+
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Replace the fallback backward where the probe finds the defect; handle the backward entry points."""
@@ -478,6 +514,14 @@ def shardext_declare_patches(patches: PatchSet) -> None:
         fallback_without_partial_avg,
         reason="DTensor's Partial(avg) results (a mean over a sharded dim) average local means, wrong on "
         "uneven shards, and their backward scales gradients by the mesh size: refuse them unless harmless",
+    )
+    patches.replace_attribute(
+        ShardTensor,
+        _PASSTHROUGH,
+        PASSTHROUGH_WITH_METADATA,
+        reason="metadata reads (x.shape, x.dim(), x.dtype...) go through the DTensor fallback, a conversion "
+        "round trip of about 25 us each; the ShardTensor wrapper holds the same global values: read them directly",
+        applies=metadata_passthrough_applies,
     )
     for entry in BACKWARD_ENTRY_POINTS:
         why_not = backward_entry_status(entry)

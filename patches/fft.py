@@ -102,6 +102,7 @@ from physicsnemo_shardext.primitives import (
     delegate,
     eager_handler,
     is_partial,
+    local_of,
     move_shard,
     sharded_dims,
 )
@@ -232,7 +233,7 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
         )
     layouts = sharded_dims(x)
     input_sharded = set(layouts)
-    local = x.to_local()
+    local = local_of(x)
     ndim = local.ndim
     kind, dims, norm = call.kind, list(call.dims), call.norm
     size_of = dict(zip(dims, call.sizes))

@@ -84,6 +84,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    local_of,
     normalize_dim,
     require_shard_input,
     sharded_dims,
@@ -263,7 +264,7 @@ def sharded_gradient(
     _validate_gradient(x, spacing, dim, edge_order)
 
     layouts = sharded_dims(x)
-    local = x.to_local()
+    local = local_of(x)
     outputs = []
     for d, step in zip(dims, per_dim):
         layout = layouts.get(d)
@@ -272,7 +273,7 @@ def sharded_gradient(
             outputs.append(from_local_like(grad, x))
             continue
         rows = _gradient_halo(layout, layout.coord, edge_order)
-        padded = gather_global_indices(local, layout, lambda c, lay=layout: list(_gradient_halo(lay, c, edge_order)))
+        padded = gather_global_indices(local, layout, lambda c, lay=layout: _gradient_halo(lay, c, edge_order))
         if layout.local_size == 0:
             grad = padded.to(torch.result_type(local, 1.0))  # an empty block of the output dtype
         else:
@@ -390,7 +391,7 @@ def sharded_diff(
     if append is not None:
         append = _local_block(append, layouts, dim)
 
-    local = x.to_local()
+    local = local_of(x)
     layout = layouts.get(dim)
     if layout is None:
         return from_local_like(torch.diff(local, n=n, dim=dim, prepend=prepend, append=append), x)

@@ -128,6 +128,7 @@ from physicsnemo_shardext.primitives import (
     gather_full,
     gather_global_indices,
     is_partial,
+    local_of,
     replicated_local,
     sharded_dims,
     sum_grad_over,
@@ -242,7 +243,7 @@ def sharded_getitem(
         plan = plan_index(x, index)
     except _Unsupported:
         return fallback(func, args, kwargs)
-    local = x.to_local()[plan.local_index]
+    local = local_of(x)[plan.local_index]
     return build_shard_tensor(local, x._spec.mesh, _placements_for(x, plan), plan.out_sizes)
 
 
@@ -284,9 +285,9 @@ def sharded_setitem(
             f"torch.Tensor.__setitem__ on a ShardTensor with index {index!r}: {why} (the DTensor fallback fails "
             "too: an in-place fill_/index_put_ on a sharded target has no strategy)"
         ) from None
-    region = target.to_local()[plan.local_index]
+    region = local_of(target)[plan.local_index]
     value_local = _value_for_region(value, target, plan, region)
-    updated = target.to_local().clone()
+    updated = local_of(target).clone()
     updated[plan.local_index] = value_local
     layouts = sharded_dims(target)
     new = build_shard_tensor(updated, target._spec.mesh, target._spec.placements,
@@ -366,7 +367,7 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
                 "slice the value from a tensor sharded like the target (the DTensor fallback writes wrong "
                 "values here)"
             )
-        return value.to_local()
+        return local_of(value)
     # A replicated value of the region's global shape: keep this rank's rows. Each rank writes
     # (and so differentiates) only its rows, so the gradient is summed over the region's mesh dims.
     value = sum_grad_over(replicated_local(value, "torch.Tensor.__setitem__: value"), target._spec.mesh,
@@ -427,7 +428,7 @@ def replicated_add(
         # whose splits depend on which side was padded): b's rows are moved to a's split
         # (only rows that change owner travel; nothing when the splits agree), then added locally.
         a_layouts = sharded_dims(a)
-        b_local = b.to_local()
+        b_local = local_of(b)
         for d, b_layout in sharded_dims(b).items():
             a_layout = a_layouts[d]
             if a_layout.sizes != b_layout.sizes:
@@ -435,7 +436,7 @@ def replicated_add(
                     b_local, b_layout,
                     lambda c, al=a_layout: range(al.offsets[c], al.offsets[c] + al.sizes[c]),
                 )
-        return build_shard_tensor(a.to_local() + b_local, a._spec.mesh, a._spec.placements,
+        return build_shard_tensor(local_of(a) + b_local, a._spec.mesh, a._spec.placements,
                                   {d: l.sizes for d, l in a_layouts.items()})
     # A replicated operand (promoted DTensor, Replicate ShardTensor, plain tensor) is cut to the shard's rows.
     result = elementwise_with_replicated(func, args, kwargs)
@@ -614,7 +615,7 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     for subs, op in zip(subscripts, operands):
         if isinstance(op, ShardTensor):
             own = {subs[d] for d in sharded_dims(op)}
-            local = op.to_local()
+            local = local_of(op)
             # Replicate over a mesh dim that shards another operand (Transolver's attended slice
             # tokens, a Replicate ShardTensor, against the point-sharded slice weights; a gathered
             # key block): each rank uses it for its own rows only, so its gradient is summed over

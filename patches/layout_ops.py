@@ -120,6 +120,7 @@ from physicsnemo_shardext.primitives import (
     fallback,
     from_local_like,
     is_partial,
+    local_of,
     move_shard,
     replicated_part,
     resplit_rows,
@@ -160,7 +161,7 @@ def permute_local(
     if isinstance(dims, int):
         dims = [dims]
     order = [int(d) % x.ndim for d in dims]
-    return _moved(x, x.to_local().permute(order), order)
+    return _moved(x, local_of(x).permute(order), order)
 
 
 @eager_handler
@@ -183,7 +184,7 @@ def transpose_local(
     d0, d1 = int(d0) % x.ndim, int(d1) % x.ndim
     order = list(range(x.ndim))
     order[d0], order[d1] = d1, d0
-    return _moved(x, x.to_local().transpose(d0, d1), order)
+    return _moved(x, local_of(x).transpose(d0, d1), order)
 
 
 @eager_handler
@@ -202,7 +203,7 @@ def clone_local(
         ((Shard(dim=3),), True, True)
     """
     x, *rest = args
-    return from_local_like(func(x.to_local(), *rest, **kwargs), x)
+    return from_local_like(func(local_of(x), *rest, **kwargs), x)
 
 
 @eager_handler
@@ -230,7 +231,7 @@ def complex_view_local(
     rows = _row_counts(x)
     if func is torch.view_as_complex and (x.ndim - 1) in rows:
         return fallback(func, args, kwargs)  # gathers the last dim: Replicate, right (checked on 2 ranks)
-    return build_shard_tensor(func(x.to_local()), x._spec.mesh, x._spec.placements, rows)
+    return build_shard_tensor(func(local_of(x)), x._spec.mesh, x._spec.placements, rows)
 
 
 @eager_handler
@@ -270,7 +271,7 @@ def flatten_local(
     if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     if x.ndim == 0:
-        return from_local_like(func(x.to_local(), *rest, **kwargs), x)
+        return from_local_like(func(local_of(x), *rest, **kwargs), x)
     new_shape = tuple(torch.empty(x.shape, device="meta").flatten(int(start), int(end)).shape)
     if not _reshapable(x, new_shape):
         return fallback(func, args, kwargs)  # zero-size dims: as before this plugin
@@ -450,7 +451,7 @@ def reshape_sharded(func: Any, x: ShardTensor, new_shape: Sequence[int]) -> Shar
     if gathered:
         x = gather_dims(x, gathered)
         layouts = sharded_dims(x)
-    local = x.to_local()
+    local = local_of(x)
     for src, dst in moves:
         layout = layouts.pop(src)
         sizes = _proportional_sizes(x.shape[dst], layout.sizes)
@@ -604,7 +605,7 @@ def _rows_like(x: ShardTensor, like: ShardTensor) -> ShardTensor:
         return x
     if any(layouts[d].total != sum(wanted[d]) for d in layouts):
         return x  # different extents: not a re-split, the caller refuses
-    local = x.to_local()
+    local = local_of(x)
     for d, layout in layouts.items():
         local = resplit_rows(local, layout, wanted[d])
     return build_shard_tensor(local, x._spec.mesh, x._spec.placements, wanted)
@@ -650,7 +651,7 @@ def cat_local(
     if any(isinstance(p, Shard) and p.dim % first.ndim == dim for p in placements):
         # The fallback gathers the sharded dim: Replicate output, right on uneven shards (checked on 2 ranks).
         return delegate(func, types, (tensors, dim), {})
-    local = torch.cat([t.to_local() for t in tensors], dim=dim)
+    local = torch.cat([local_of(t) for t in tensors], dim=dim)
     return from_local_like(local, first)
 
 
@@ -739,7 +740,7 @@ def stack_local(
     new_placements = [Shard(p.dim % first.ndim + (p.dim % first.ndim >= dim)) if isinstance(p, Shard) else p
                       for p in first._spec.placements]
     sizes = {d + (d >= dim): n for d, n in _row_counts(first).items()}
-    local = torch.stack([t.to_local() for t in tensors], dim=dim)
+    local = torch.stack([local_of(t) for t in tensors], dim=dim)
     return build_shard_tensor(local, first._spec.mesh, new_placements, sizes)
 
 
@@ -767,7 +768,7 @@ def split_local(
     dim = kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
     if x.ndim == 0 or int(dim) % x.ndim in _row_counts(x):
         return fallback(func, args, kwargs)  # along a sharded dim (or torch's own error): as before this plugin
-    return tuple(from_local_like(piece, x) for piece in func(x.to_local(), *rest, **kwargs))
+    return tuple(from_local_like(piece, x) for piece in func(local_of(x), *rest, **kwargs))
 
 
 @eager_handler
@@ -791,7 +792,7 @@ def like_local(
     x, *rest = args
     if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
-    return from_local_like(func(x.to_local(), *rest, **kwargs), x)
+    return from_local_like(func(local_of(x), *rest, **kwargs), x)
 
 
 _TARGETS: tuple[tuple[Any, FunctionHandler, str], ...] = (

@@ -70,6 +70,7 @@ from physicsnemo_shardext.primitives import (
     eager_handler,
     from_local_like,
     is_partial,
+    local_of,
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
@@ -105,7 +106,7 @@ def sharded_linear(
     weight = sum_grad_over(replicated_local(weight, "torch.nn.functional.linear: weight"), mesh, mesh_dims)
     if bias is not None:
         bias = sum_grad_over(replicated_local(bias, "torch.nn.functional.linear: bias"), mesh, mesh_dims)
-    return from_local_like(F.linear(x.to_local(), weight, bias), x)
+    return from_local_like(F.linear(local_of(x), weight, bias), x)
 
 
 
@@ -154,7 +155,7 @@ def sharded_embedding(
         return delegate(func, types, args, kwargs)
     mesh, mesh_dims = ids._spec.mesh, sharding_mesh_dims(ids)
     table = sum_grad_over(replicated_local(weight, "torch.nn.functional.embedding: weight"), mesh, mesh_dims)
-    local = F.embedding(ids.to_local(), table, a["padding_idx"])
+    local = F.embedding(local_of(ids), table, a["padding_idx"])
     return from_local_like(local, ids)
 
 

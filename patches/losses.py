@@ -86,6 +86,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     is_replicated,
+    local_of,
     replicated_local,
     replicated_part,
     sharded_dims,
@@ -222,7 +223,7 @@ def elementwise_loss(
     for name in form.rows:
         value = arguments.get(name)
         if isinstance(value, ShardTensor) and not is_replicated(value):
-            local_arguments[name] = value.to_local()
+            local_arguments[name] = local_of(value)
         elif isinstance(value, torch.Tensor):
             local_arguments[name] = replicated_part(value, reference, f"{func.__name__}: {name}")
     local_arguments["reduction"] = "none"
@@ -300,7 +301,7 @@ def class_loss(
             target_rows = {d: l.sizes for d, l in sharded_dims(target).items()}
             if target_rows != {_target_dim(d): l.sizes for d, l in layouts.items()}:
                 return delegate(func, types, args, kwargs)
-        target_local = target.to_local()
+        target_local = local_of(target)
     elif probabilities:
         target_local = replicated_part(target, x, f"{func.__name__}: target")
     else:
@@ -311,7 +312,7 @@ def class_loss(
     weight_local = replicated_local(weight, f"{func.__name__}: weight")
     if isinstance(weight_local, torch.Tensor) and weight_local.requires_grad:
         weight_local = sum_grad_over(weight_local, mesh, mesh_dims)  # each rank saw only its rows' classes
-    local = func(**dict(arguments, input=x.to_local(), target=target_local, weight=weight_local, reduction="none"))
+    local = func(**dict(arguments, input=local_of(x), target=target_local, weight=weight_local, reduction="none"))
     reduction = arguments["reduction"]
     if reduction == "none":
         if probabilities:
@@ -411,7 +412,7 @@ def sharded_norm(
     reduced = _reduced_dims(dim, x.ndim)
     if p is None or not math.isfinite(p) or p <= 0 or not reduced & set(sharded_dims(x)):
         return delegate(func, types, args, kwargs)
-    local = x.to_local() if dtype is None else x.to_local().to(dtype)
+    local = local_of(x) if dtype is None else local_of(x).to(dtype)
     powered = local.abs() ** p if p != 2.0 else (local.abs() * local.abs())
     total = _global_sum(powered, x, reduced)
     nonzero = total > 0
@@ -540,7 +541,7 @@ def sharded_mean(
     reduced = _reduced_dims(dim, x.ndim)
     if not reduced & set(sharded_dims(x)):
         return delegate(func, types, args, kwargs)
-    local = x.to_local() if dtype is None else x.to_local().to(dtype)
+    local = local_of(x) if dtype is None else local_of(x).to(dtype)
     count = math.prod(x.shape[d] for d in reduced)
     return _finish(_global_sum(local, x, reduced) / count, x, reduced, keepdim)
 
@@ -608,7 +609,7 @@ def sharded_variance(
     reduced = _reduced_dims(dim, x.ndim)
     if is_partial(x) or not reduced & set(sharded_dims(x)):
         return delegate(func, types, args, kwargs)
-    local = x.to_local()
+    local = local_of(x)
     count = math.prod(x.shape[d] for d in reduced)
     mean = _global_sum(local, x, reduced) / count
     deviation = local - mean.detach()

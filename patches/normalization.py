@@ -82,6 +82,7 @@ from physicsnemo_shardext.primitives import (
     eager_handler,
     from_local_like,
     is_partial,
+    local_of,
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
@@ -233,7 +234,7 @@ def batch_norm_handler(
         return delegate(func, types, args, kwargs)
     x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=2)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
-    local, eps, ndim = x.to_local(), a["eps"], x.dim()
+    local, eps, ndim = local_of(x), a["eps"], x.dim()
     if a["training"]:
         dims = [0] + list(range(2, ndim))
         count = _count(x, dims)
@@ -264,7 +265,7 @@ def instance_norm_handler(
         return delegate(func, types, args, kwargs)
     x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=3)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
-    local, eps, ndim = x.to_local(), a["eps"], x.dim()
+    local, eps, ndim = local_of(x), a["eps"], x.dim()
     spatial = list(range(2, ndim))
     if a["use_input_stats"]:
         count = _count(x, spatial)
@@ -298,7 +299,7 @@ def group_norm_handler(
     groups_n, n_channels = a["num_groups"], x.shape[1]
     if n_channels % groups_n:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}")
-    local, ndim = x.to_local(), x.dim()
+    local, ndim = local_of(x), x.dim()
     grouped = _opmath(local).reshape((local.shape[0], groups_n, n_channels // groups_n) + tuple(local.shape[2:]))
     spatial = list(range(2, ndim))
     count = (n_channels // groups_n) * _count(x, spatial)
@@ -347,7 +348,7 @@ def layer_norm_handler(
     layouts, dims, first = _trailing_norm(x, a["normalized_shape"], op)
     weight = _normalized_slice(_param(a["weight"], x, op, "weight"), layouts, first, x.dim())
     bias = _normalized_slice(_param(a["bias"], x, op, "bias"), layouts, first, x.dim())
-    local = x.to_local()
+    local = local_of(x)
     work = _opmath(local)
     mean, var = _moments(work, dims, x, _mesh_dims_sharding(layouts, dims, x.dim()), _count(x, dims))
     y = (work - mean) * torch.rsqrt(var + a["eps"])
@@ -369,7 +370,7 @@ def rms_norm_handler(
         return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked on 2 ranks)
     layouts, dims, first = _trailing_norm(x, a["normalized_shape"], op)
     weight = _normalized_slice(_param(a["weight"], x, op, "weight"), layouts, first, x.dim())
-    local = x.to_local()
+    local = local_of(x)
     work = _opmath(local)
     eps = a["eps"] if a["eps"] is not None else torch.finfo(work.dtype).eps
     square = all_reduce_sum(

@@ -71,6 +71,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    local_of,
     sharded_dims,
 )
 
@@ -197,7 +198,7 @@ def sharded_pad(
             "are not supported (cropping is supported with mode='constant')"
         )
 
-    local = x.to_local()
+    local = local_of(x)
     count = len(pad) // 2
     new_sizes: dict[int, list[int]] = {}
     for dim, (left, right) in on_sharded.items():

@@ -75,10 +75,12 @@ from physicsnemo_shardext.primitives import (
     elementwise_with_replicated,
     from_local_like,
     is_partial,
+    local_of,
     replicated_local,
     require_shard_input,
     sharding_mesh_dims,
     sum_grad_over,
+    wrap_local,
 )
 
 __all__ = [
@@ -150,14 +152,9 @@ def local_pointwise(
         # The sum first (one all-reduce, differentiable), as the DTensor fallback does.
         placements = [Replicate() if p.is_partial() else p for p in tensor._spec.placements]
         tensor = tensor.redistribute(tensor._spec.mesh, placements)
-    local_output = func(tensor.to_local(), *rest, **kwargs)
+    local_output = func(local_of(tensor), *rest, **kwargs)
     # Not from_local_like: it refuses one tensor dim sharded over several mesh dims, which this keeps.
-    return ShardTensor.from_local(
-        local_output,
-        tensor._spec.mesh,
-        tensor._spec.placements,
-        sharding_shapes=tensor._spec.sharding_shapes(),
-    )
+    return wrap_local(local_output, tensor._spec.mesh, tensor._spec.placements, tensor._spec.sharding_shapes())
 
 
 def _prelu(input: Any, weight: Any) -> None:
@@ -197,7 +194,7 @@ def prelu_local(
         "aten._prelu_kernel_backward",
     )
     w = sum_grad_over(replicated_local(weight, f"{name}: weight"), x._spec.mesh, sharding_mesh_dims(x))
-    return from_local_like(F.prelu(x.to_local(), w), x)
+    return from_local_like(F.prelu(local_of(x), w), x)
 
 
 #: Binary elementwise ops whose sharded x replicated form runs on local blocks (``add`` is

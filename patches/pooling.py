@@ -88,6 +88,8 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    local_of,
+    meta_output_shape,
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
@@ -158,7 +160,7 @@ def _fetch(local: torch.Tensor, axes: Sequence[_Axis], windows: Callable[[_Axis,
         else:
             # Every rank along the mesh dim calls this (an empty window included): it is a collective.
             local = gather_global_indices(
-                local, axis.layout, lambda c, a=axis: list(range(*windows(a, c)))
+                local, axis.layout, lambda c, a=axis: range(*windows(a, c))
             )
     return local
 
@@ -257,7 +259,7 @@ def pool_handler(
     if isinstance(x, ShardTensor) and not is_max and is_partial(x) and _builtin_refuses_stride(a):
         # An average is linear, so the pool of each rank's term is a term of the pooled sum. The
         # built-in does exactly that, but only for stride == kernel_size; other strides run here.
-        return from_local_like(func(x.to_local(), **{k: v for k, v in a.items() if k != "input"}), x)
+        return from_local_like(func(local_of(x), **{k: v for k, v in a.items() if k != "input"}), x)
     if not isinstance(x, ShardTensor) or _partial_delegated(func, x):
         return delegate(func, types, args, kwargs)  # checked on 2 ranks (see the module docstring)
     return_indices = is_max and (func in _MAX_POOLS_WITH_INDICES or bool(a["return_indices"]))
@@ -274,8 +276,8 @@ def pool_handler(
     )
     # Let PyTorch validate the arguments (and give the global output shape) on a meta tensor.
     meta_kwargs = {k: v for k, v in a.items() if k != "input" and v is not None}
-    meta_out = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs)
-    global_out_shape = (meta_out[0] if isinstance(meta_out, tuple) else meta_out).shape
+    meta_out = meta_output_shape(func, (x,), meta_kwargs)
+    global_out_shape = meta_out if isinstance(meta_out, torch.Size) else meta_out[0]  # (values, indices)
 
     first = x.ndim - n
     spatial = {d: l for d, l in sharded_dims(x).items() if d >= first}
@@ -312,7 +314,7 @@ def pool_handler(
         lo, hi, _, _ = window(axis.dim - first, *ranges_by_dim[axis.dim][coord])
         return lo, hi
 
-    win = _fetch(x.to_local(), axes, rows_wanted)
+    win = _fetch(local_of(x), axes, rows_wanted)
     out_shape = tuple(win.shape[:first]) + tuple(ax.out_local for ax in axes)
     pads = [window(i, ax.j0, ax.j1)[2:] for i, ax in enumerate(axes)]
 
@@ -405,8 +407,8 @@ def adaptive_pool_handler(
         return delegate(func, types, args, kwargs)  # checked on 2 ranks (see the module docstring)
     return_indices = is_max and (func in _ADAPTIVE_MAX_WITH_INDICES or bool(a["return_indices"]))
     meta_kwargs = {k: v for k, v in a.items() if k != "input"}
-    meta_out = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs)
-    global_out_shape = (meta_out[0] if isinstance(meta_out, tuple) else meta_out).shape
+    meta_out = meta_output_shape(func, (x,), meta_kwargs)
+    global_out_shape = meta_out if isinstance(meta_out, torch.Size) else meta_out[0]  # (values, indices)
 
     first = x.ndim - n
     spatial = {d: l for d, l in sharded_dims(x).items() if d >= first}
@@ -434,7 +436,7 @@ def adaptive_pool_handler(
         size, out = x.shape[axis.dim], global_out_shape[axis.dim]
         return (_adaptive_start(j0, size, out), _adaptive_end(j1 - 1, size, out)) if j1 > j0 else (0, 0)
 
-    win = _fetch(x.to_local(), [ad.axis for ad in dims], rows_wanted)
+    win = _fetch(local_of(x), [ad.axis for ad in dims], rows_wanted)
 
     # Lay every output row's window out as one block of equal length M (short windows are
     # filled with a sentinel row appended at the end), so that one local pool with

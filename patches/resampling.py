@@ -92,6 +92,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    local_of,
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
@@ -136,7 +137,7 @@ def pixel_shuffle_handler(
             sizes[d] = [s // (r * r) for s in layout.sizes]
         elif d > channel:
             sizes[d] = [s * r for s in layout.sizes]
-    local = x.to_local()
+    local = local_of(x)
     if local.numel() == 0:  # PyTorch's pixel_shuffle backward mis-shapes empty gradients
         shape = list(local.shape)
         shape[channel] //= r * r
@@ -160,7 +161,7 @@ def pixel_unshuffle_handler(
         return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
     func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)
     channel = x.ndim - 3
-    local = x.to_local()
+    local = local_of(x)
     sizes: dict[int, list[int]] = {}
     for d, layout in sharded_dims(x).items():
         if d == channel:
@@ -169,7 +170,7 @@ def pixel_unshuffle_handler(
             groups = split_rows_by_owner(layout, [g * r for g in range(layout.total // r)])
             if any(s % r for s in layout.sizes):
                 # Move each group of r rows to the owner of its first row (only split groups travel).
-                local = gather_global_indices(local, layout, lambda c, g=groups: list(range(g[c][0] * r, g[c][1] * r)))
+                local = gather_global_indices(local, layout, lambda c, g=groups: range(g[c][0] * r, g[c][1] * r))
             sizes[d] = [g1 - g0 for g0, g1 in groups]
     if local.numel() == 0:
         shape = list(local.shape)
@@ -306,9 +307,9 @@ def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: i
     ranges = split_rows_by_owner(layout, anchor.tolist())
     low, high = rows.min(1).values.tolist(), rows.max(1).values.tolist()
 
-    def wanted(coord: int) -> list[int]:
+    def wanted(coord: int) -> range:
         j0, j1 = ranges[coord]
-        return list(range(min(low[j0:j1]), max(high[j0:j1]) + 1)) if j1 > j0 else []
+        return range(min(low[j0:j1]), max(high[j0:j1]) + 1) if j1 > j0 else range(0)
 
     window = gather_global_indices(local, layout, wanted)
     j0, j1 = ranges[layout.coord]
@@ -346,7 +347,7 @@ def interpolate_handler(
         if a["size"] is None:
             # Nothing sharded along the resized dims: PhysicsNeMo's built-in runs the local op, as we would.
             return physicsnemo_shardext.builtin_handler(func)(func, types, args, kwargs)
-        return from_local_like(func(x.to_local(), **meta_kwargs), x)
+        return from_local_like(func(local_of(x), **meta_kwargs), x)
     if mode == "area":
         pool = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}[n]
         return pool(x, tuple(out_shape[2:]) if n > 1 else out_shape[2])
@@ -365,7 +366,7 @@ def interpolate_handler(
     scales = expand_to(a["scale_factor"] if use_scale else None, n, what="scale_factor", op=op)
     align = bool(a["align_corners"]) if mode in _LINEAR | {"bicubic"} else False
 
-    local = x.to_local()
+    local = local_of(x)
     sizes: dict[int, list[int]] = {}
     for d, layout in sorted(spatial.items()):
         local, sizes[d] = _resample_dim(local, layout, mode, out_shape[d], scales[d - 2], align)

@@ -59,6 +59,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    local_of,
     normalize_dim,
     require_shard_input,
     sharded_dims,
@@ -124,7 +125,7 @@ def sharded_roll(
         if layouts:
             # A roll of the flattened tensor: the fallback gathers it (right, even and uneven splits).
             return delegate(func, types, args, kwargs)
-        return from_local_like(torch.roll(x.to_local(), shifts), x)
+        return from_local_like(torch.roll(local_of(x), shifts), x)
     shifts, dims = _as_tuple(shifts), _as_tuple(dims)
     if len(shifts) != len(dims):
         raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
@@ -133,7 +134,7 @@ def sharded_roll(
         d = normalize_dim(func, dim, x.ndim)
         total_shift[d] = total_shift.get(d, 0) + int(shift)
 
-    local = x.to_local()
+    local = local_of(x)
     local_dims = [d for d in total_shift if d not in layouts]
     if local_dims:
         local = torch.roll(local, [total_shift[d] for d in local_dims], local_dims)
@@ -206,7 +207,7 @@ def sharded_flip(
     if len(set(dims)) != len(dims):
         raise RuntimeError(f"{describe_target(func)}: dims {dims} has a repeated dim")
     layouts = sharded_dims(x)
-    local = x.to_local()
+    local = local_of(x)
     local_dims = [d for d in dims if d not in layouts]
     local = torch.flip(local, local_dims)  # also the copy when nothing is local
     for d in sorted(d for d in dims if d in layouts):

@@ -72,6 +72,7 @@ from physicsnemo_shardext.primitives import (
     eager_handler,
     from_local_like,
     is_partial,
+    local_of,
     normalize_dim,
     require_shard_input,
 )
@@ -162,7 +163,7 @@ def sharded_softmax(
     if dim is None and isinstance(x, torch.Tensor):
         dim = _softmax_dim_legacy(x.ndim)
     x, dim = _checked_input(func, x, dim)
-    local = x.to_local()
+    local = local_of(x)
     if bound["dtype"] is not None:
         local = local.to(bound["dtype"])  # torch casts before the op
     if kind == "softmin":
@@ -248,7 +249,7 @@ def sharded_cumsum(
             "instead of a plain out=; torch refuses out= under autograd)"
         )
     x, dim = _checked_input(func, bound["input"], bound["dim"])
-    local = x.to_local()
+    local = local_of(x)
     if x.ndim == 0:
         return from_local_like(torch.cumsum(local, 0, dtype=bound["dtype"]), x)
     summed = torch.cumsum(local, dim, dtype=bound["dtype"])

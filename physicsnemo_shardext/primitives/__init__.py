@@ -8,7 +8,7 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 2. **gate** what the handler does not take: `require_shard_input`,
    `is_partial`, `normalize_dim`; hand the rest to what was replaced
    with `delegate` (or call the DTensor path directly with `fallback`);
-3. **plan** without communication: `sharded_dims`, `dim_layout`,
+3. **plan** without communication: `sharded_dims`, `dim_layout`, `meta_output_shape`,
    `DimLayout`, `sharding_mesh_dims`, `plan_exchange`,
    `halo_indices`, `split_rows_by_owner`, `balanced_split_sizes`;
 4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
@@ -18,7 +18,8 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
    replicated operands through `replicated_local` / `replicated_part`
    (`is_replicated` tells them apart; `elementwise_with_replicated` applies a
    binary op to a shard and a replicated operand);
-5. **compute locally and wrap**: `from_local_like`, `build_shard_tensor`,
+5. **compute locally and wrap**: `local_of` (``to_local`` with less host time),
+   `from_local_like`, `build_shard_tensor`, `wrap_local`,
    with `tie_to_graph` / `connected_zeros` keeping an empty shard in
    the backward graph, and `sharded_allocations` for factory calls.
 
@@ -30,7 +31,7 @@ wrongly.
 Examples:
     >>> from physicsnemo_shardext.primitives import DimLayout, halo_indices
     >>> layout = DimLayout(tensor_dim=2, mesh_dim=0, sizes=(10, 7), coord=1, mesh=None)
-    >>> halo_indices(layout, 1, 1, 1)[:3]     # rank 1's rows with one halo row each side
+    >>> list(halo_indices(layout, 1, 1, 1))[:3]     # rank 1's rows with one halo row each side
     [9, 10, 11]
 """
 
@@ -56,6 +57,7 @@ from physicsnemo_shardext.primitives.layout import (
     sharding_mesh_dims,
     split_rows_by_owner,
 )
+from physicsnemo_shardext.primitives.meta import meta_output_shape
 from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated
 from physicsnemo_shardext.primitives.replicated import (
     elementwise_with_replicated,
@@ -64,6 +66,7 @@ from physicsnemo_shardext.primitives.replicated import (
     replicated_part,
 )
 from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
+from physicsnemo_shardext.primitives.wrapping import local_of, wrap_local
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
@@ -91,6 +94,8 @@ __all__ = [
     "is_partial",
     "is_replicated",
     "is_tracing",
+    "local_of",
+    "meta_output_shape",
     "move_shard",
     "normalize_dim",
     "plan_exchange",
@@ -107,4 +112,5 @@ __all__ = [
     "sum_to_replicated",
     "tie_to_graph",
     "transpose_shard",
+    "wrap_local",
 ]

@@ -41,6 +41,7 @@ from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
+from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["align_shard", "aligned_split_sizes", "resplit_rows"]
 
@@ -219,6 +220,6 @@ def align_shard(x: ShardTensor, dim: int, multiple: int) -> ShardTensor:
         raise MissingShardPatch(f"align_shard: dim {dim} of {tuple(x._spec.placements)} is not sharded")
     layout = layouts[dim]
     sizes = aligned_split_sizes(layout.sizes, multiple)
-    local = resplit_rows(x.to_local(), layout, sizes)
+    local = resplit_rows(local_of(x), layout, sizes)
     return build_shard_tensor(local, x._spec.mesh, x._spec.placements,
                               {d: (sizes if d == dim else l.sizes) for d, l in layouts.items()})

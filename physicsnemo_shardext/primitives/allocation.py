@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from physicsnemo_shardext.primitives.layout import build_shard_tensor, sharded_dims
+from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["sharded_allocations"]
 
@@ -105,7 +106,7 @@ class sharded_allocations(TorchFunctionMode):  # noqa: N801 - used like a functi
                 local_args = ((local_shape, *args[1:]) if func is torch.full
                               else (local_shape,))
                 local_kwargs = {k: v for k, v in kwargs.items() if k != "size"}
-                local_kwargs.setdefault("device", like.to_local().device)
+                local_kwargs.setdefault("device", local_of(like).device)
                 local = func(*local_args, **local_kwargs)
                 return build_shard_tensor(local, like._spec.mesh, like._spec.placements,
                                           {d: layout.sizes for d, layout in layouts.items()})

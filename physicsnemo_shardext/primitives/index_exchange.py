@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from physicsnemo_shardext.primitives.layout import DimLayout
+from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["ExchangePlan", "gather_global_indices", "halo_indices", "plan_exchange"]
 
@@ -64,12 +65,21 @@ class ExchangePlan:
     crosses: bool
 
 
-def _wanted(wanted_by: WantedBy, coord: int) -> list[int]:
-    return list(wanted_by(coord) if callable(wanted_by) else wanted_by[coord])
+def _as_key(rows: Sequence[int]) -> range | tuple[int, ...]:
+    """``rows`` in a hashable form: a step-1 ``range`` where they are consecutive (halos, blocks)."""
+    if isinstance(rows, range) and rows.step == 1:
+        return rows
+    items = tuple(rows)
+    if items and items[-1] - items[0] == len(items) - 1 and items == tuple(range(items[0], items[-1] + 1)):
+        return range(items[0], items[-1] + 1)
+    return items
 
 
 def plan_exchange(layout: DimLayout, wanted_by: WantedBy) -> ExchangePlan:
     """Work out the exchange for this rank; identical inputs give consistent plans on all ranks.
+
+    Plans are cached by (row counts, coordinate, rows wanted), so a layer called every
+    step plans once; consecutive rows are planned interval by interval, not row by row.
 
     Examples:
         >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3, 2), coord=0, mesh=None)
@@ -77,34 +87,64 @@ def plan_exchange(layout: DimLayout, wanted_by: WantedBy) -> ExchangePlan:
         >>> plan.send_rows, plan.recv_positions, plan.self_rows, plan.crosses
         (((), (2,)), ((), (3,)), (0, 1, 2), True)
     """
-    me = layout.coord
+    wanted = tuple(
+        _as_key(wanted_by(coord) if callable(wanted_by) else wanted_by[coord]) for coord in range(layout.parts)
+    )
+    return _cached_plan(tuple(layout.sizes), layout.coord, wanted)
+
+
+def _runs(rows: range | tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``rows`` as maximal runs of consecutive indices: (first position, first row, length)."""
+    if isinstance(rows, range):
+        return [(0, rows.start, len(rows))] if len(rows) else []
+    runs: list[tuple[int, int, int]] = []
+    for position, row in enumerate(rows):
+        if runs and runs[-1][1] + runs[-1][2] == row:
+            first_position, first_row, length = runs[-1]
+            runs[-1] = (first_position, first_row, length + 1)
+        else:
+            runs.append((position, row, 1))
+    return runs
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(sizes: tuple[int, ...], me: int, wanted: tuple[range | tuple[int, ...], ...]) -> ExchangePlan:
+    offsets = [sum(sizes[:c]) for c in range(len(sizes))]
+    total = sum(sizes)
+    # Rows of a run that fall in owner o's range [offsets[o], offsets[o] + sizes[o]).
+    owners = [o for o in range(len(sizes)) if sizes[o]]
     send_rows: list[tuple[int, ...]] = []
-    recv_positions: list[list[int]] = [[] for _ in range(layout.parts)]
+    recv_positions: list[list[int]] = [[] for _ in sizes]
     self_rows: list[int] = []
     self_positions: list[int] = []
     crosses = False
-    for coord in range(layout.parts):
-        wanted = _wanted(wanted_by, coord)
+    for coord, rows in enumerate(wanted):
         rows_from_me: list[int] = []
-        for position, index in enumerate(wanted):
-            owner = layout.owner_of(index)
-            if owner != coord:
-                crosses = True
-            if coord == me:
-                if owner == me:
-                    self_rows.append(index - layout.start)
-                    self_positions.append(position)
-                else:
-                    recv_positions[owner].append(position)
-            elif owner == me:
-                rows_from_me.append(index - layout.start)
+        for position, row, length in _runs(rows):
+            if row < 0 or row + length > total:
+                bad = row if row < 0 else row + length - 1
+                raise IndexError(f"row {bad} outside a dimension of length {total}")
+            for owner in owners:
+                lo, hi = max(row, offsets[owner]), min(row + length, offsets[owner] + sizes[owner])
+                if lo >= hi:
+                    continue
+                crosses = crosses or owner != coord
+                local_rows = range(lo - offsets[owner], hi - offsets[owner])
+                positions = range(position + lo - row, position + hi - row)
+                if coord == me and owner == me:
+                    self_rows.extend(local_rows)
+                    self_positions.extend(positions)
+                elif coord == me:
+                    recv_positions[owner].extend(positions)
+                elif owner == me:
+                    rows_from_me.extend(local_rows)
         send_rows.append(tuple(rows_from_me) if coord != me else ())
     return ExchangePlan(
         send_rows=tuple(send_rows),
         recv_positions=tuple(tuple(p) for p in recv_positions),
         self_rows=tuple(self_rows),
         self_positions=tuple(self_positions),
-        output_rows=len(_wanted(wanted_by, me)),
+        output_rows=len(wanted[me]),
         crosses=crosses,
     )
 
@@ -207,7 +247,7 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
     """Return the global rows ``wanted_by(layout.coord)`` of dim ``layout.tensor_dim``, in that order.
 
     Args:
-        local: this rank's shard (a plain tensor, e.g. ``x.to_local()``).
+        local: this rank's shard (a plain tensor, e.g. ``local_of(x)``).
         layout: the sharded dimension's layout (`dim_layout`).
         wanted_by: for each coordinate, the global rows it wants (a callable or a list per coordinate).
             Indices may repeat and come in any order; all must lie in ``[0, layout.total)``.
@@ -236,22 +276,24 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
         return out.movedim(0, layout.tensor_dim)
 
 
-def halo_indices(layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False) -> list[int]:
+def halo_indices(
+    layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False
+) -> Sequence[int]:
     """Global rows of ``coord``'s shard extended by ``before``/``after`` rows.
 
     Non-periodic: rows outside the global range are dropped (the caller pads the
-    global boundary itself). Periodic: they wrap around.
+    global boundary itself), and the rows come as a ``range``. Periodic: they wrap
+    around (a list).
 
     Examples:
         >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3, 2), coord=0, mesh=None)
         >>> halo_indices(layout, 0, 1, 1), halo_indices(layout, 0, 1, 1, periodic=True)
-        ([0, 1, 2, 3], [4, 0, 1, 2, 3])
+        (range(0, 4), [4, 0, 1, 2, 3])
     """
     start = layout.offsets[coord]
     stop = start + layout.sizes[coord]
-    rows = range(start - before, stop + after)
-    if periodic:
-        if layout.total == 0:
-            return []
-        return [i % layout.total for i in rows]
-    return [i for i in rows if 0 <= i < layout.total]
+    if not periodic:
+        return range(max(start - before, 0), min(stop + after, layout.total))
+    if layout.total == 0:
+        return []
+    return [i % layout.total for i in range(start - before, stop + after)]

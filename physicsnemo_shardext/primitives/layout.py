@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.primitives.wrapping import wrap_local
 
 __all__ = [
     "DimLayout",
@@ -221,7 +222,7 @@ def build_shard_tensor(
         sharding_shapes[mesh_dim] = tuple(
             local_shape[:tensor_dim] + (size,) + local_shape[tensor_dim + 1 :] for size in sizes
         )
-    return ShardTensor.from_local(local, mesh, tuple(placements), sharding_shapes=sharding_shapes)
+    return wrap_local(local, mesh, placements, sharding_shapes)
 
 
 def from_local_like(

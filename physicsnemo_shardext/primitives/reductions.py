@@ -53,6 +53,11 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["all_reduce_sum", "sum_grad_over", "sum_to_replicated"]
 
 
+def _spanning(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
+    """The mesh dims with more than one coordinate: a sum over a single rank is the value itself."""
+    return tuple(d for d in mesh_dims if mesh.size(d) > 1)
+
+
 def _summed(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
     """A contiguous copy of ``value`` summed over each of ``mesh_dims`` in turn (one all-reduce each)."""
     total = value.contiguous().clone()
@@ -116,10 +121,11 @@ def sum_grad_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int
         >>> w.grad                    # 1 + 2 on both ranks
         tensor([3., 3.])
     """
+    mesh_dims = _spanning(mesh, mesh_dims)
     if not mesh_dims:
         return value
     with torch.profiler.record_function("shardext.sum_grad_over"):
-        return cast(torch.Tensor, _SumGradOver.apply(value, mesh, tuple(mesh_dims)))
+        return cast(torch.Tensor, _SumGradOver.apply(value, mesh, mesh_dims))
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
@@ -140,10 +146,11 @@ def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[in
         >>> total, part.grad          # the sum, and every rank's cotangent summed
         (tensor([3.], grad_fn=<_AllReduceSumBackward>), tensor([2.]))
     """
+    mesh_dims = _spanning(mesh, mesh_dims)
     if not mesh_dims:
         return value
     with torch.profiler.record_function("shardext.all_reduce_sum"):
-        return cast(torch.Tensor, _AllReduceSum.apply(value, mesh, tuple(mesh_dims)))
+        return cast(torch.Tensor, _AllReduceSum.apply(value, mesh, mesh_dims))
 
 
 def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
@@ -164,7 +171,8 @@ def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequenc
         >>> loss.item(), part.grad    # 3 + 3 on both ranks; the cotangent passes unchanged
         (6.0, tensor([1., 1.]))
     """
+    mesh_dims = _spanning(mesh, mesh_dims)
     if not mesh_dims:
         return addend
     with torch.profiler.record_function("shardext.sum_to_replicated"):
-        return cast(torch.Tensor, _SumToReplicated.apply(addend, mesh, tuple(mesh_dims)))
+        return cast(torch.Tensor, _SumToReplicated.apply(addend, mesh, mesh_dims))

@@ -46,6 +46,7 @@ from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.checks import is_partial, is_replicated
 from physicsnemo_shardext.primitives.layout import build_shard_tensor, sharded_dims, sharding_mesh_dims
 from physicsnemo_shardext.primitives.reductions import sum_grad_over
+from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["elementwise_with_replicated", "gather_full", "replicated_local", "replicated_part"]
 
@@ -67,7 +68,7 @@ def replicated_local(value: Any, what: str) -> Any:
     if isinstance(value, (DTensor, ShardTensor)):  # ShardTensor is not a DTensor subclass
         if not all(p.is_replicate() for p in value.placements):
             raise MissingShardPatch(f"{what}: expected a replicated tensor, got placements {tuple(value.placements)}")
-        return value.to_local()
+        return local_of(value)
     return value
 
 
@@ -156,7 +157,7 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
     except RuntimeError:
         return None
     part = replicated_part(other, shard, f"{getattr(func, '__name__', func)}: replicated operand")
-    local = func(shard.to_local(), part) if sharded_first else func(part, shard.to_local())
+    local = func(local_of(shard), part) if sharded_first else func(part, local_of(shard))
     sizes = {d: layout.sizes for d, layout in sharded_dims(shard).items()}
     return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements, sizes)
 

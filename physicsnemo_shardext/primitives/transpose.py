@@ -46,6 +46,7 @@ from torch.distributed.tensor import Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
+from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["balanced_split_sizes", "move_shard", "transpose_shard"]
 
@@ -212,7 +213,7 @@ def transpose_shard(
             f"transpose_shard: destination dim {dst_dim} is already sharded ({tuple(x._spec.placements)})"
         )
     layout = layouts[src_dim]
-    local = move_shard(x.to_local(), layout, dst_dim, dst_sizes)
+    local = move_shard(local_of(x), layout, dst_dim, dst_sizes)
     placements = list(x._spec.placements)
     placements[layout.mesh_dim] = Shard(dst_dim)
     sizes = {d: l.sizes for d, l in layouts.items() if d != src_dim}

@@ -289,3 +289,64 @@ def _ones_grad(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     ref_x = x.clone().requires_grad_(True)
     copy.deepcopy(conv)(ref_x).sum().backward()
     return ref_x.grad
+
+
+# -- metadata reads -------------------------------------------------------------------------
+METADATA_READS = {
+    "shape": lambda x: tuple(x.shape),
+    "ndim": lambda x: x.ndim,
+    "dim": lambda x: x.dim(),
+    "ndimension": lambda x: x.ndimension(),
+    "size": lambda x: tuple(x.size()),
+    "size(d)": lambda x: x.size(-2),
+    "numel": lambda x: x.numel(),
+    "nelement": lambda x: x.nelement(),
+    "dtype": lambda x: x.dtype,
+    "device": lambda x: x.device,
+    "layout": lambda x: x.layout,
+    "is_cuda": lambda x: x.is_cuda,
+    "is_floating_point": lambda x: x.is_floating_point(),
+    "is_complex": lambda x: x.is_complex(),
+    "element_size": lambda x: x.element_size(),
+}
+
+
+def test_metadata_passthrough_is_installed_with_provenance_and_undone_exactly():
+    target = AttributeTarget(ShardTensor, "_autograd_passthrough_functions")
+    record = physicsnemo_shardext.get_registry().provenance(target, PatchLevel.ATTRIBUTE)
+    assert record is not None and record.plugin.name == "fallback_fix"
+    original = physicsnemo_shardext.builtin_handler(target, PatchLevel.ATTRIBUTE)
+    assert fallback_fix.METADATA_GETTERS <= ShardTensor._autograd_passthrough_functions
+    assert original <= ShardTensor._autograd_passthrough_functions  # PhysicsNeMo's own entries stay
+    with physicsnemo_shardext.disabled(plugins=["fallback_fix"]):
+        assert ShardTensor.__dict__["_autograd_passthrough_functions"] is original
+        assert not fallback_fix.METADATA_GETTERS & original
+    assert fallback_fix.METADATA_GETTERS <= ShardTensor._autograd_passthrough_functions
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("placements,sizes", [
+    ([Shard(2), Replicate()], {0: [6, 3]}),
+    ([Shard(2), Shard(3)], {0: [6, 3], 1: [1, 4]}),
+    ([Partial(), Shard(1)], {1: [2, 1]}),
+], ids=["shard-replicate", "shard-shard", "partial-shard"])
+def test_metadata_reads_answer_what_the_fallback_answers_without_it(spatial_mesh, placements, sizes, monkeypatch):
+    """Each read, with the passthrough, equals the DTensor fallback's answer, and no longer converts to DTensor."""
+    full = torch.randn(2, 3, 9, 5, dtype=torch.float64)
+    x = shard_tensor(full, spatial_mesh, placements, sizes, requires_grad=True)
+    conversions = []
+    convert = shard_tensor_module._convert_args_to_dtensor
+
+    def counting(*args, **kwargs):
+        conversions.append(args[0])
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(shard_tensor_module, "_convert_args_to_dtensor", counting)
+    for name, read in METADATA_READS.items():
+        conversions.clear()
+        fast = read(x)
+        assert conversions == [], name
+        with physicsnemo_shardext.disabled(plugins=["fallback_fix"]):
+            slow = read(x)
+        assert conversions, name  # without the passthrough the read converted x to a DTensor
+        assert fast == slow == read(full), name

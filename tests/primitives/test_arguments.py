@@ -83,3 +83,37 @@ def test_expand_to_rejects_other_lengths_naming_what_and_op():
         expand_to([1, 2], 3)
     with pytest.raises(ValueError, match=r"must have 2 elements, got \(\)"):
         expand_to((), 2)
+
+
+def _conv(input, weight, bias=None, stride=1, padding=0, *, groups=1):
+    """A signature with a keyword-only parameter (binding by name matching)."""
+
+
+def _variadic(input, *rest, scale=1.0, **options):
+    """A signature the name-matching path leaves to inspect."""
+
+
+@pytest.mark.parametrize("reference", [_conv, _variadic])
+@pytest.mark.parametrize("args,kwargs", [
+    (("x", "w"), {}),
+    (("x", "w", "b", 2), {"padding": 1}),
+    (("x",), {"weight": "w", "groups": 2}),
+    (("x", "w", "b", 1, 0), {"groups": 3}),
+    (("x", "w", "b", 1, 0, "extra"), {}),          # too many positional for _conv
+    (("x",), {}),                                   # a required argument missing for _conv
+    (("x", "w"), {"weight": "again"}),              # given twice
+    (("x", "w"), {"unknown": 1}),
+])
+def test_binding_equals_inspect_signature_bind(reference, args, kwargs):
+    import inspect
+
+    signature = inspect.signature(reference)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        with pytest.raises(TypeError, match=str(error).split("'")[0]):
+            bind_arguments(reference, args, kwargs)
+        return
+    bound.apply_defaults()
+    got = bind_arguments(reference, args, kwargs)
+    assert got == dict(bound.arguments) and list(got) == list(bound.arguments)
