@@ -17,7 +17,10 @@ little): the median time of one forward call
   PhysicsNeMo's, or none: the DTensor fallback).
 
 ``noop`` is ShardTensor's own cost; ``ours - noop - plain`` is what the handler
-adds beyond the kernel itself (``plain``); both in microseconds.
+adds beyond the kernel itself (``plain``); both in microseconds. ``without this
+package`` is the same call with every plugin of this package switched off:
+PhysicsNeMo's own handler, or the DTensor fallback, as before installing it (a
+handler of ours that delegates a configuration costs at least that).
 
 **Per model**: the median forward+backward step of PhysicsNeMo's FNO, Pix2Pix
 and 3-D UNet on plain tensors and on a ShardTensor split over H on a one-rank
@@ -96,6 +99,19 @@ def _ops(device: str) -> dict[str, tuple[Any, Callable[[torch.Tensor], Any]]]:
     }
 
 
+def _without_package(measure: Callable[[], float]) -> float | str:
+    """``measure()`` with every plugin of this package switched off: PhysicsNeMo's own handler or the
+    DTensor fallback (on CPU, PhysicsNeMo's built-ins stay present); the error text if that fails."""
+    import physicsnemo_shardext
+
+    names = [plugin.name for plugin in physicsnemo_shardext.get_registry().plugins()]
+    try:
+        with physicsnemo_shardext.disabled(plugins=names):
+            return measure()
+    except Exception as error:  # noqa: BLE001 - reported, not fatal
+        return f"{type(error).__name__}: {str(error)[:80]}"
+
+
 def per_op(mesh: Any, device: str, repeats: int) -> list[dict[str, Any]]:
     """The per-op table (see the module docstring)."""
     from physicsnemo.domain_parallel import ShardTensor
@@ -115,6 +131,7 @@ def per_op(mesh: Any, device: str, repeats: int) -> list[dict[str, Any]]:
         except Exception as error:  # noqa: BLE001 - reported, not fatal
             rows.append({"op": name, "plain_us": plain * 1e6, "error": f"{type(error).__name__}: {error}"})
             continue
+        without = _without_package(lambda: median_time(lambda: call(xs), device, repeats))
         held = table.get(key)
         table[key] = lambda func, types, args, kwargs: prepared  # ShardTensor's dispatch, then nothing
         try:
@@ -128,6 +145,7 @@ def per_op(mesh: Any, device: str, repeats: int) -> list[dict[str, Any]]:
             "op": name, "plain_us": plain * 1e6, "noop_us": noop * 1e6, "ours_us": ours * 1e6,
             "shardtensor_us": noop * 1e6, "handler_us": (ours - noop - plain) * 1e6,
             "handler": "installed" if held is not None else "DTensor fallback",
+            **({"without_us": without * 1e6} if isinstance(without, float) else {"without_error": without}),
         })
     return rows
 
@@ -197,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     mesh = _init(args.device)
     ops = per_op(mesh, args.device, args.op_repeats)
     print(f"per op, {args.device}, 1x8x32x32 on a one-rank mesh (median us of {args.op_repeats}):")
-    print("| op | plain | ShardTensor, do-nothing handler | ours | ShardTensor's own | handler adds |")
+    print("| op | plain | ShardTensor, do-nothing handler | without this package | ours | handler adds |")
     print("|---|---|---|---|---|---|")
     for row in ops:
         if "error" in row:
-            print(f"| {row['op']} | {row['plain_us']:.0f} | - | fails: {row['error'][:60]} | - | - |")
+            print(f"| {row['op']} | {row['plain_us']:.0f} | - | - | fails: {row['error'][:60]} | - |")
         else:
-            print(f"| {row['op']} | {row['plain_us']:.0f} | {row['noop_us']:.0f} | {row['ours_us']:.0f} "
-                  f"| {row['shardtensor_us']:.0f} | {row['handler_us']:.0f} |")
+            without = f"{row['without_us']:.0f}" if "without_us" in row else f"fails ({row['without_error'][:40]})"
+            print(f"| {row['op']} | {row['plain_us']:.0f} | {row['noop_us']:.0f} | {without} | {row['ours_us']:.0f} "
+                  f"| {row['handler_us']:.0f} |")
     models = [] if args.skip_models else per_model(mesh, args.device, args.size or [64], args.repeats, args.compile)
     if models:
         print(f"\nper model, {args.device}, forward+backward on a one-rank mesh (median ms of {args.repeats}):")

@@ -71,8 +71,9 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -286,14 +287,45 @@ def _taps(mode: str, in_size: int, out_size: int, scale: float | None, align_cor
     return torch.stack([i0, i1], 1), torch.stack([w0, w1], 1)
 
 
+class _DimPlan(NamedTuple):
+    """What one sharded dim's resampling needs besides the data; the same every step for one layer."""
+
+    copies: bool                       # every output row is its source row (weight 1): a plain copy
+    ranges: list[tuple[int, int]]      # output rows of each coordinate
+    wanted: list[range]                # input rows each coordinate fetches
+    taps: list[tuple[torch.Tensor, torch.Tensor | None]]  # this rank's (index into its window, weight) per tap
+
+
+@functools.lru_cache(maxsize=256)
+def _dim_plan(mode: str, sizes: tuple[int, ...], coord: int, out_size: int, scale: float | None,
+              align_corners: bool, dtype: torch.dtype, spatial_dims: int, d: int, ndim: int,
+              device: torch.device) -> _DimPlan:
+    layout = DimLayout(tensor_dim=d, mesh_dim=0, sizes=sizes, coord=coord, mesh=None)
+    rows, weights = _taps(mode, layout.total, out_size, scale, align_corners, dtype, spatial_dims)
+    tap = 1 if mode == "bicubic" else 0
+    copies = torch.equal(rows[:, tap], torch.arange(out_size)) and bool((weights[:, tap] == 1).all())
+    # The row goes to the owner of its left source row (the second tap for bicubic).
+    anchor = rows[:, 1] if mode == "bicubic" else rows[:, 0]
+    ranges = split_rows_by_owner(layout, anchor.tolist())
+    low, high = rows.min(1).values.tolist(), rows.max(1).values.tolist()
+    wanted = [range(min(low[j0:j1]), max(high[j0:j1]) + 1) if j1 > j0 else range(0) for j0, j1 in ranges]
+    j0, j1 = ranges[coord]
+    base = wanted[coord].start if j1 > j0 else 0
+    shape = [1] * ndim
+    shape[d] = j1 - j0
+    taps = [((rows[j0:j1, k] - base).to(device),
+             None if mode in _NEAREST else weights[j0:j1, k].reshape(shape).to(device))
+            for k in range(rows.shape[1])]
+    return _DimPlan(copies, ranges, wanted, taps)
+
+
 def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: int, scale: float | None,
                   align_corners: bool) -> tuple[torch.Tensor, list[int]]:
     """Interpolate along one sharded dim; returns the local result and the output rows per coordinate."""
     d = layout.tensor_dim
-    rows, weights = _taps(mode, layout.total, out_size, scale, align_corners, local.dtype, local.ndim - 2)
-    tap = 1 if mode == "bicubic" else 0
-    copies = torch.equal(rows[:, tap], torch.arange(out_size)) and bool((weights[:, tap] == 1).all())
-    if mode in ("nearest", "bicubic") and out_size == layout.total and not copies:
+    plan = _dim_plan(mode, tuple(layout.sizes), layout.coord, out_size, scale, align_corners, local.dtype,
+                     local.ndim - 2, d, local.ndim, local.device)
+    if mode in ("nearest", "bicubic") and out_size == layout.total and not plan.copies:
         # PyTorch's nearest (1-D/3-D) and bicubic kernels move rows here, but their backward
         # copies them: no sharded result can match both, so refuse rather than pick one.
         raise MissingShardPatch(
@@ -302,27 +334,14 @@ def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: i
             "backward disagree; PhysicsNeMo's built-in is wrong or fails here on uneven or empty shards); pass "
             "size= or scale_factor=1.0 for that dim"
         )
-    # The row goes to the owner of its left source row (the second tap for bicubic).
-    anchor = rows[:, 1] if mode == "bicubic" else rows[:, 0]
-    ranges = split_rows_by_owner(layout, anchor.tolist())
-    low, high = rows.min(1).values.tolist(), rows.max(1).values.tolist()
-
-    def wanted(coord: int) -> range:
-        j0, j1 = ranges[coord]
-        return range(min(low[j0:j1]), max(high[j0:j1]) + 1) if j1 > j0 else range(0)
-
-    window = gather_global_indices(local, layout, wanted)
-    j0, j1 = ranges[layout.coord]
-    base = min(low[j0:j1]) if j1 > j0 else 0
-    shape = [1] * local.ndim
-    shape[d] = j1 - j0
+    window = gather_global_indices(local, layout, plan.wanted)
     out = None
-    for k in range(rows.shape[1]):
-        term = window.index_select(d, (rows[j0:j1, k] - base).to(local.device))
-        if mode not in _NEAREST:
-            term = term * weights[j0:j1, k].reshape(shape).to(local.device)
+    for index, weight in plan.taps:
+        term = window.index_select(d, index)
+        if weight is not None:
+            term = term * weight
         out = term if out is None else out + term
-    return out, [b - a for a, b in ranges]
+    return out, [b - a for a, b in plan.ranges]
 
 
 @eager_handler

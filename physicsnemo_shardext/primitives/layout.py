@@ -23,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -120,17 +121,23 @@ class DimLayout:
         assert self.mesh is not None, "a layout without a mesh has no process group"
         return self.mesh.get_group(self.mesh_dim)
 
-    @cached_property
+    @property
     def group_ranks(self) -> tuple[int, ...]:
         """Group rank of each coordinate (the group's rank order need not be the mesh order)."""
         assert self.mesh is not None, "a layout without a mesh has no process group"
-        group = self.group
-        coords = list(self.mesh.get_coordinate() or [])
-        globals_along_dim = []
-        for c in range(self.parts):
-            coords[self.mesh_dim] = c
-            globals_along_dim.append(int(self.mesh.mesh[tuple(coords)].item()))
-        return tuple(dist.get_group_rank(group, g) for g in globals_along_dim)
+        return _group_ranks(self.mesh, self.mesh_dim, tuple(self.mesh.get_coordinate() or ()))
+
+
+@functools.lru_cache(maxsize=256)
+def _group_ranks(mesh: DeviceMesh, mesh_dim: int, coordinate: tuple[int, ...]) -> tuple[int, ...]:
+    """Group rank of each coordinate along ``mesh_dim``; cached (reading the mesh's rank grid is slow)."""
+    group = mesh.get_group(mesh_dim)
+    coords = list(coordinate)
+    globals_along_dim = []
+    for c in range(mesh.size(mesh_dim)):
+        coords[mesh_dim] = c
+        globals_along_dim.append(int(mesh.mesh[tuple(coords)].item()))
+    return tuple(dist.get_group_rank(group, g) for g in globals_along_dim)
 
 
 def _mesh_dims_by_tensor_dim(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:

@@ -88,6 +88,8 @@ def _exchange(
     ``join_sizes[c]`` is how many rows of ``join_dim`` coordinate ``c`` holds before the move.
     """
     me, parts = layout.coord, layout.parts
+    if parts == 1:  # a mesh dim of one rank: nothing moves
+        return local.view_as(local)
     cut_offsets = _offsets(cut_sizes)
     pieces = [local.narrow(cut_dim, cut_offsets[c], cut_sizes[c]) for c in range(parts)]
     # Shape of the piece coordinate c sends here: its join rows, our cut rows.
