@@ -6,17 +6,18 @@ local size divisible by the stride: an odd local size raises
 takes the DTensor fallback (whose backward is broken on torch 2.14).
 
 Here every output row along a sharded spatial dimension is computed by the rank
-that owns the *start* of its window (window starts left of the tensor count as
-row 0). That rank fetches the few rows its last windows reach past its shard
-(`gather_global_indices`, only the
-overlap moves), pads the global boundary itself and runs the local op with no
-padding. Output shards are therefore as uneven as the windows fall out:
-coordinate ``c`` holds the output rows whose window starts in its input rows.
+that owns the *centre* of its window (clipped to the input's rows). That rank
+fetches the few rows its windows reach past its shard on either side
+(`gather_global_indices`, only the overlap moves), pads the global boundary
+itself and runs the local op with no padding. Output shards are therefore as
+uneven as the windows fall out: coordinate ``c`` holds the output rows whose
+window centre lies in its input rows.
 
 Adaptive pooling with output size 1 along a sharded dimension (global pooling)
 reduces locally and all-reduces the per-channel result (O(channels) bytes); that
 mesh dimension becomes ``Replicate`` in the output. Other adaptive output sizes use
-the adaptive windows ``[floor(i*L/out), ceil((i+1)*L/out))`` with the owner rule above.
+the adaptive windows ``[floor(i*L/out), ceil((i+1)*L/out))``, each computed by the owner
+of its first row.
 
 Max-pool indices (``return_indices=True``) are *global* flat indices over the
 input's spatial dims, as in a single-process run; ties resolve to the first
@@ -50,8 +51,8 @@ Examples:
     >>> from physicsnemo_shardext.testing import shard_tensor
     >>> full = torch.linspace(-1, 1, 2 * 17 * 4).reshape(1, 2, 17, 4)
     >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
-    >>> y = F.max_pool2d(x, 3, stride=2, padding=1)   # windows start at -1, 1, .., 9 / 11, 13, 15
-    >>> tuple(y.to_local().shape) == [(1, 2, 6, 2), (1, 2, 3, 2)][rank]
+    >>> y = F.max_pool2d(x, 3, stride=2, padding=1)   # window centres 0, 2, .., 8 / 10, .., 16
+    >>> tuple(y.to_local().shape) == [(1, 2, 5, 2), (1, 2, 4, 2)][rank]
     True
     >>> torch.equal(y.full_tensor(), F.max_pool2d(full, 3, stride=2, padding=1))
     True
@@ -64,6 +65,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +137,23 @@ def _builtin_refuses_stride(a: dict[str, Any]) -> bool:
 
 
 # -- windows along one spatial dimension ----------------------------------------------------------
+@functools.lru_cache(maxsize=1024)
+def _pool_ranges(sizes: tuple[int, ...], out: int, kernel: int, stride: int, padding: int,
+                 dilation: int) -> list[tuple[int, int]]:
+    """Output rows per coordinate: each goes to the owner of its window's centre row (clipped to the input).
+
+    By the centre, as the convolution family does: the halo a rank fetches is then split
+    between its two neighbours (``k3 s2 p1``: one row instead of two). Cached, since a layer
+    asks for the same split every step.
+
+    Examples:
+        >>> _pool_ranges((10, 7), 9, 3, 2, 1, 1)     # centres 0, 2, .., 16: rows 0..4 / 5..8
+        [(0, 5), (5, 9)]
+    """
+    last = sum(sizes) - 1
+    centres = [min(max(j * stride - padding + dilation * (kernel - 1) // 2, 0), last) for j in range(out)]
+    layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=tuple(sizes), coord=0, mesh=None)
+    return split_rows_by_owner(layout, centres)
 @dataclass(frozen=True)
 class _Axis:
     """This rank's share of one spatial dim: output rows [j0, j1) and the input rows [lo, hi) they read."""
@@ -303,8 +322,8 @@ def pool_handler(
         if layout is None:
             j0, j1, out_sizes = 0, out, None
         else:
-            anchors = [max(j * cfg.stride[i] - cfg.padding[i], 0) for j in range(out)]
-            ranges_by_dim[d] = split_rows_by_owner(layout, anchors)
+            ranges_by_dim[d] = _pool_ranges(layout.sizes, out, cfg.kernel[i], cfg.stride[i], cfg.padding[i],
+                                            cfg.dilation[i])
             j0, j1 = ranges_by_dim[d][layout.coord]
             out_sizes = tuple(b - a_ for a_, b in ranges_by_dim[d])
         lo, hi, _, _ = window(i, j0, j1)

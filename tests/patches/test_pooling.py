@@ -64,7 +64,7 @@ def test_max_pool_indices_are_global_and_modules_work(domain_mesh):
     values, indices = F.max_pool2d(xs, 3, 2, 1, return_indices=True)
     ref_values, ref_indices = F.max_pool2d(x, 3, 2, 1, return_indices=True)
     assert torch.equal(values.full_tensor(), ref_values) and torch.equal(indices.full_tensor(), ref_indices)
-    assert indices.to_local().shape[2] == [6, 3][xs._spec.mesh.get_coordinate()[0]]  # windows start at -1,1,..,9 / 11,13,15
+    assert indices.to_local().shape[2] == [5, 4][xs._spec.mesh.get_coordinate()[0]]  # window centres 0,2,..,8 / 10,..,16
     # Round trip through max_unpool with global indices (a plain-tensor op on the full tensors).
     torch.testing.assert_close(F.max_unpool2d(values.full_tensor(), indices.full_tensor(), 3, 2, 1, output_size=x.shape[2:]),
                                F.max_unpool2d(ref_values, ref_indices, 3, 2, 1, output_size=x.shape[2:]))
@@ -156,8 +156,9 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh, rank):
         assert fallback._spec.placements == (Replicate(),)
         torch.testing.assert_close(fallback.full_tensor(), fn(x))
         assert patched.forward.total_bytes < shard_bytes / 2, patched.forward
-    # Rank 0 computes output rows 0..8 (windows starting at rows <= 7) and needs input rows 8, 9 from rank 1.
-    assert measure_comms(cases[0][0], [x], spec).forward.total_bytes == [0, 2 * (2 * 4 * 8 * 4)][rank]
+    # Each output row goes to the owner of its window's centre: rank 0 computes rows 0..7 and needs
+    # input row 8, rank 1 rows 8..15 and needs row 7: one row each way (the bound), not two one way.
+    assert measure_comms(cases[0][0], [x], spec).forward.total_bytes == [2 * 4 * 8 * 4, 2 * 4 * 8 * 4][rank]
 
 
 @pytest.mark.multirank(2)
