@@ -191,11 +191,20 @@ def _fewer_gpus_message() -> str:
     )
 
 
-def shutdown() -> None:
-    """Destroy the process groups and reset ``DistributedManager`` (safe to call twice)."""
+def shutdown(barrier: bool = True) -> None:
+    """Destroy the process groups and reset ``DistributedManager`` (safe to call twice).
+
+    With ``barrier`` (the default) every rank first waits for the others: a rank that
+    tears its gloo group down while a peer still talks to it makes that peer's
+    transport thread abort the process at exit ("terminate called without an active
+    exception", seen about once in six 2-rank runs of a script ending right after a
+    collective). Pass ``barrier=False`` on an error path, where a peer may never arrive.
+    """
     if DistributedManager.is_initialized():
-        DistributedManager.cleanup()
+        DistributedManager.cleanup(barrier=barrier and dist.is_available() and dist.is_initialized())
     elif dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -214,5 +223,7 @@ def distributed_session() -> Iterator[DistributedManager]:
     manager = initialize()
     try:
         yield manager
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(barrier=False)  # a peer may never reach the barrier
+        raise
+    shutdown()

@@ -23,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import atexit
 import functools
 from dataclasses import dataclass
 from functools import cached_property
@@ -138,6 +139,9 @@ def _group_ranks(mesh: DeviceMesh, mesh_dim: int, coordinate: tuple[int, ...]) -
         coords[mesh_dim] = c
         globals_along_dim.append(int(mesh.mesh[tuple(coords)].item()))
     return tuple(dist.get_group_rank(group, g) for g in globals_along_dim)
+
+
+atexit.register(_group_ranks.cache_clear)  # holds meshes: release them before interpreter teardown
 
 
 def _mesh_dims_by_tensor_dim(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:

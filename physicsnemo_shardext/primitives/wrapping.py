@@ -31,6 +31,7 @@ Examples:
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,9 @@ _FROM_LOCAL_BACKWARD = _shard_tensor_module._FromTorchTensor.backward
 #: Specs are immutable once built with explicit sharding shapes; a model meets a few dozen distinct ones.
 _SPEC_CACHE: dict[tuple[Any, ...], Any] = {}
 _SPEC_CACHE_LIMIT = 4096
+# The cached specs hold device meshes (and through them process groups): drop them while the
+# interpreter is whole, not during its teardown, where a late process-group destructor can abort.
+atexit.register(_SPEC_CACHE.clear)
 
 
 class _LocalView(torch.autograd.Function):
