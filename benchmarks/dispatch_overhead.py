@@ -173,8 +173,11 @@ def _models(size: int, device: str) -> dict[str, tuple[torch.nn.Module, torch.Te
     }
 
 
-def per_model(mesh: Any, device: str, sizes: list[int], repeats: int, compile_too: bool) -> list[dict[str, Any]]:
-    """The per-model table: plain vs ShardTensor steps, eager (and compiled)."""
+def per_model(
+    mesh: Any, device: str, sizes: list[int], repeats: int, compile_too: bool, only: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The per-model table: plain vs ShardTensor steps, eager (and compiled); ``only`` keeps the models
+    whose name contains one of its words (case-insensitive)."""
     from torch.distributed.tensor import Shard
 
     from physicsnemo_shardext.testing import shard_tensor
@@ -182,7 +185,10 @@ def per_model(mesh: Any, device: str, sizes: list[int], repeats: int, compile_to
     rows = []
     for size in sizes:
         for name, (model, x) in _models(size, device).items():
-            modes = [("eager", model)] + ([("compile", torch.compile(model))] if compile_too else [])
+            if only and not any(word.lower() in name.lower() for word in only):
+                continue
+            # dynamic=False, as docs/training.md advises: one graph per shape, no symbolic shapes.
+            modes = [("eager", model)] + ([("compile", torch.compile(model, dynamic=False))] if compile_too else [])
             for mode, runner in modes:
                 xs = shard_tensor(x, mesh, [Shard(2)], requires_grad=True)
                 xp = x.clone().requires_grad_()
@@ -202,19 +208,8 @@ def per_model(mesh: Any, device: str, sizes: list[int], repeats: int, compile_to
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--size", type=int, action="append", help="model field size (repeat); default 64")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--op-repeats", type=int, default=50)
-    parser.add_argument("--compile", action="store_true", help="also time the models under torch.compile")
-    parser.add_argument("--skip-models", action="store_true")
-    parser.add_argument("--json", metavar="FILE")
-    args = parser.parse_args(argv)
-    mesh = _init(args.device)
-    ops = per_op(mesh, args.device, args.op_repeats)
-    print(f"per op, {args.device}, 1x8x32x32 on a one-rank mesh (median us of {args.op_repeats}):")
+def _print_ops(ops: list[dict[str, Any]], device: str, repeats: int) -> None:
+    print(f"per op, {device}, 1x8x32x32 on a one-rank mesh (median us of {repeats}):")
     print("| op | plain | ShardTensor, do-nothing handler | without this package | ours | handler adds |")
     print("|---|---|---|---|---|---|")
     for row in ops:
@@ -224,7 +219,26 @@ def main(argv: list[str] | None = None) -> int:
             without = f"{row['without_us']:.0f}" if "without_us" in row else f"fails ({row['without_error'][:40]})"
             print(f"| {row['op']} | {row['plain_us']:.0f} | {row['noop_us']:.0f} | {without} | {row['ours_us']:.0f} "
                   f"| {row['handler_us']:.0f} |")
-    models = [] if args.skip_models else per_model(mesh, args.device, args.size or [64], args.repeats, args.compile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", type=int, action="append", help="model field size (repeat); default 64")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--op-repeats", type=int, default=50)
+    parser.add_argument("--compile", action="store_true", help="also time the models under torch.compile")
+    parser.add_argument("--skip-models", action="store_true")
+    parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument("--model", action="append", help="only models whose name contains this (repeat)")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    mesh = _init(args.device)
+    ops = [] if args.skip_ops else per_op(mesh, args.device, args.op_repeats)
+    if ops:
+        _print_ops(ops, args.device, args.op_repeats)
+    models = [] if args.skip_models else per_model(
+        mesh, args.device, args.size or [64], args.repeats, args.compile, args.model)
     if models:
         print(f"\nper model, {args.device}, forward+backward on a one-rank mesh (median ms of {args.repeats}):")
         print("| model | mode | plain | ShardTensor | ratio |")
