@@ -6,6 +6,10 @@ tensor dims. Dims that are sharded among those are reduced with
 per-statistic partial sums, over exactly the mesh dims that shard them: communication is O(number of statistics) (channels for batch norm,
 samples x groups for group norm...), activations are never gathered, and the
 normalization itself is local, so the output keeps the input's layout.
+Batch norm in training is one autograd Function whose backward all-reduces
+``sum(dy)`` and ``sum(dy * x_hat)`` once (they are also the bias and weight
+gradients); layer and RMS norm over dims none of which is sharded call torch's
+own kernel on the block.
 
 * ``F.batch_norm`` (``nn.BatchNorm1d/2d/3d``): training uses global statistics over
   batch and every sharded spatial dim (counts from the uneven shard sizes, no
@@ -68,6 +72,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor
@@ -220,6 +225,90 @@ def _no_stats(a: dict[str, Any]) -> bool:
     return a["running_mean"] is None or a["running_var"] is None
 
 
+def _summed_over(value: torch.Tensor, mesh: Any, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """``value`` summed over ``mesh_dims`` (one all-reduce each, none over a single rank); no autograd."""
+    total = value.contiguous().clone()
+    for mesh_dim in mesh_dims:
+        if mesh.size(mesh_dim) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
+    return total
+
+
+def _batch_norm_composed(
+    local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
+    mesh_dims: Sequence[int], dims: Sequence[int], count: int, eps: float,
+) -> torch.Tensor:
+    """Training batch norm from differentiable ops (what double backward differentiates)."""
+    mean = all_reduce_sum(local.sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
+    centered = local - mean
+    var = all_reduce_sum((centered * centered).sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
+    weight = None if weight is None else sum_grad_over(weight, mesh, mesh_dims)
+    bias = None if bias is None else sum_grad_over(bias, mesh, mesh_dims)
+    return _scale_and_shift(local, mean, var, eps, weight, bias)
+
+
+class _BatchNormTrain(torch.autograd.Function):
+    """Training batch norm over sharded rows with the minimum communication, forward and backward.
+
+    Forward: two all-reduces of C values (mean, then the centred variance: two passes,
+    as torch's kernels, for accuracy). Backward: ONE all-reduce of ``[sum(dy), sum(dy *
+    x_hat)]`` (2C values), which gives the input gradient and, being the same two sums,
+    the bias and weight gradients complete on every rank. Composing the norm from
+    autograd ops instead all-reduces those sums twice and keeps several block-sized
+    intermediates; this saves the input and the per-channel statistics only.
+
+    Double backward (``create_graph=True``) differentiates the composed form, recomputed
+    from the saved inputs, so gradient penalties stay exact.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
+        mesh_dims: tuple[int, ...], dims: tuple[int, ...], count: int, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean = _summed_over(local.sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
+        centered = local - mean
+        var = _summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
+        invstd = torch.rsqrt(var + eps)
+        y = centered.mul_(invstd)
+        if weight is not None:
+            y = y.mul_(_channel_view(weight, local.dim()))
+        if bias is not None:
+            y = y.add_(_channel_view(bias, local.dim()))
+        ctx.save_for_backward(local, weight, bias, mean, invstd)
+        ctx.plan = (mesh, mesh_dims, dims, count, eps)
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        local, weight, bias, mean, invstd = ctx.saved_tensors
+        mesh, mesh_dims, dims, count, eps = ctx.plan
+        nones = (None,) * 5
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the composed form
+            inputs = [t for t in (local, weight, bias) if t is not None]
+            wanted = [t for t in inputs if t.requires_grad]
+            y = _batch_norm_composed(local, weight, bias, mesh, mesh_dims, dims, count, eps)
+            grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=True))
+            by_input = {id(t): next(grads) for t in wanted}
+            return (*(None if t is None else by_input.get(id(t)) for t in (local, weight, bias)), *nones)
+        with torch.profiler.record_function("shardext.batch_norm.backward"):
+            x_hat = (local - mean).mul_(invstd)
+            sums = _summed_over(
+                torch.stack([grad.sum(dim=dims, keepdim=True), (grad * x_hat).sum(dim=dims, keepdim=True)]),
+                mesh, mesh_dims,
+            )
+            sum_dy, sum_dy_x_hat = sums[0], sums[1]
+            grad_input = None
+            if ctx.needs_input_grad[0]:
+                scale = invstd if weight is None else invstd * _channel_view(weight, local.dim())
+                # (dy - mean(dy) - x_hat * mean(dy * x_hat)) * scale, in x_hat's storage: one block-sized buffer.
+                grad_input = x_hat.mul_(-sum_dy_x_hat / count).add_(grad).sub_(sum_dy / count).mul_(scale)
+            grad_weight = sum_dy_x_hat.reshape(-1).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+            grad_bias = sum_dy.reshape(-1).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return (grad_input, grad_weight, grad_bias, *nones)
+
+
 @eager_handler
 def batch_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -232,23 +321,32 @@ def batch_norm_handler(
         # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors
         # (rank < 2, eval without running statistics) come back.
         return delegate(func, types, args, kwargs)
-    x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=2)
+    layouts = _layouts(x, op)
+    _refuse_sharded(layouts, [1], x.dim(), op, "channel dim")
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = local_of(x), a["eps"], x.dim()
-    if a["training"]:
-        dims = [0] + list(range(2, ndim))
-        count = _count(x, dims)
-        if count <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
-        mean, var = _moments(_opmath(local), dims, x, _mesh_dims_sharding(layouts, dims, ndim), count)
-        momentum = a["momentum"] if a["momentum"] is not None else 0.0
-        _update_running(running_mean, mean.flatten(), momentum)
-        _update_running(running_var, var.flatten() * (count / (count - 1)), momentum)
-    else:
+    if not a["training"]:
         if running_mean is None or running_var is None:
             raise MissingShardPatch(f"{op}: eval mode without running statistics is not supported")
+        weight, bias = _param(a["weight"], x, op, "weight"), _param(a["bias"], x, op, "bias")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-    return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
+        return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
+    dims = [0] + list(range(2, ndim))
+    count = _count(x, dims)
+    if count <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+    # The channel dim is never sharded here, so the mesh dims that shard the reduced dims are
+    # exactly those that shard the input: the same sums complete the parameter gradients.
+    weight = replicated_local(a["weight"], f"{op}: weight") if a["weight"] is not None else None
+    bias = replicated_local(a["bias"], f"{op}: bias") if a["bias"] is not None else None
+    y, mean, var = _BatchNormTrain.apply(
+        _opmath(local), weight, bias, x._spec.mesh, tuple(_mesh_dims_sharding(layouts, dims, ndim)),
+        tuple(dims), count, eps,
+    )
+    momentum = a["momentum"] if a["momentum"] is not None else 0.0
+    _update_running(running_mean, mean.flatten(), momentum)
+    _update_running(running_var, var.flatten() * (count / (count - 1)), momentum)
+    return from_local_like(_as_input(y, local), x)
 
 
 # -- instance norm --------------------------------------------------------------------------
@@ -349,8 +447,14 @@ def layer_norm_handler(
     weight = _normalized_slice(_param(a["weight"], x, op, "weight"), layouts, first, x.dim())
     bias = _normalized_slice(_param(a["bias"], x, op, "bias"), layouts, first, x.dim())
     local = local_of(x)
+    stats_mesh_dims = _mesh_dims_sharding(layouts, dims, x.dim())
+    if not stats_mesh_dims:
+        # No normalized dim is sharded: every row's statistics are local, so torch's fused
+        # kernel runs on the block (it keeps the input and per-row statistics only, a third
+        # of what the composed form keeps, and matches torch's dtype rules under autocast).
+        return from_local_like(F.layer_norm(local, tuple(x.shape[first:]), weight, bias, a["eps"]), x)
     work = _opmath(local)
-    mean, var = _moments(work, dims, x, _mesh_dims_sharding(layouts, dims, x.dim()), _count(x, dims))
+    mean, var = _moments(work, dims, x, stats_mesh_dims, _count(x, dims))
     y = (work - mean) * torch.rsqrt(var + a["eps"])
     if weight is not None:
         y = y * weight
@@ -371,11 +475,12 @@ def rms_norm_handler(
     layouts, dims, first = _trailing_norm(x, a["normalized_shape"], op)
     weight = _normalized_slice(_param(a["weight"], x, op, "weight"), layouts, first, x.dim())
     local = local_of(x)
+    stats_mesh_dims = _mesh_dims_sharding(layouts, dims, x.dim())
+    if not stats_mesh_dims:  # local statistics: torch's own kernel on the block (see layer norm)
+        return from_local_like(F.rms_norm(local, tuple(x.shape[first:]), weight, a["eps"]), x)
     work = _opmath(local)
     eps = a["eps"] if a["eps"] is not None else torch.finfo(work.dtype).eps
-    square = all_reduce_sum(
-        (work * work).sum(dim=tuple(dims), keepdim=True), x._spec.mesh, _mesh_dims_sharding(layouts, dims, x.dim())
-    )
+    square = all_reduce_sum((work * work).sum(dim=tuple(dims), keepdim=True), x._spec.mesh, stats_mesh_dims)
     y = work * torch.rsqrt(square / _count(x, dims) + eps)
     if weight is not None:
         y = y * weight

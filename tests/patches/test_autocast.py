@@ -116,6 +116,7 @@ NORMALIZATION = _both({
     "layer-norm-local": Case(_randomized(lambda: nn.LayerNorm(6))),
     "group-norm": Case(_randomized(lambda: nn.GroupNorm(2, 4))),
     "rms-norm-sharded": Case(_randomized(lambda: nn.RMSNorm([17, 6]))),
+    "rms-norm-local": Case(_randomized(lambda: nn.RMSNorm(6))),
 })
 SOFTMAX_CUMSUM = _both({
     "softmax-sharded-dim": Case(lambda: lambda t: F.softmax(t, dim=2)),
