@@ -144,7 +144,13 @@ def _moments(
     The partial sums feed back into every rank's sharded rows: ``all_reduce_sum`` (sum forward
     and backward).
     """
-    mesh = like._spec.mesh
+    return _moments_over(x, dims, like._spec.mesh, mesh_dims, count)
+
+
+def _moments_over(
+    x: torch.Tensor, dims: Sequence[int], mesh: Any, mesh_dims: Sequence[int], count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_moments` given the mesh itself."""
     mean = all_reduce_sum(x.sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
     centered = x - mean
     var = all_reduce_sum((centered * centered).sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
@@ -205,20 +211,18 @@ def _update_running(
         running.mul_(1.0 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
 
 
-def _channel_norm_call(
-    a: dict[str, Any], op: str, min_rank: int
-) -> tuple[ShardTensor, dict[int, DimLayout], torch.Tensor | None, torch.Tensor | None]:
-    """What batch, instance and group norm check first: rank, unsharded channels, parameters.
-
-    Returns ``(input, layouts, weight, bias)``; weight and bias are local copies whose
-    gradients are completed over the shards.
-    """
-    x = a["input"]
+def _channel_layouts(x: ShardTensor, op: str, min_rank: int) -> dict[int, DimLayout]:
+    """What batch, instance and group norm check first: rank and unsharded channels; the sharded dims."""
     layouts = _layouts(x, op)
     if x.dim() < min_rank:
         raise MissingShardPatch(f"{op}: inputs of rank {x.dim()} are not supported")
     _refuse_sharded(layouts, [1], x.dim(), op, "channel dim")
-    return x, layouts, _param(a["weight"], x, op, "weight"), _param(a["bias"], x, op, "bias")
+    return layouts
+
+
+def _raw_param(t: Any, op: str, name: str) -> torch.Tensor | None:
+    """The local copy of a Replicate parameter, for a Function that completes its gradient itself."""
+    return None if t is None else replicated_local(t, f"{op}: {name}")
 
 
 def _no_stats(a: dict[str, Any]) -> bool:
@@ -321,8 +325,7 @@ def batch_norm_handler(
         # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors
         # (rank < 2, eval without running statistics) come back.
         return delegate(func, types, args, kwargs)
-    layouts = _layouts(x, op)
-    _refuse_sharded(layouts, [1], x.dim(), op, "channel dim")
+    layouts = _channel_layouts(x, op, min_rank=2)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = local_of(x), a["eps"], x.dim()
     if not a["training"]:
@@ -337,8 +340,7 @@ def batch_norm_handler(
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
     # The channel dim is never sharded here, so the mesh dims that shard the reduced dims are
     # exactly those that shard the input: the same sums complete the parameter gradients.
-    weight = replicated_local(a["weight"], f"{op}: weight") if a["weight"] is not None else None
-    bias = replicated_local(a["bias"], f"{op}: bias") if a["bias"] is not None else None
+    weight, bias = _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias")
     y, mean, var = _BatchNormTrain.apply(
         _opmath(local), weight, bias, x._spec.mesh, tuple(_mesh_dims_sharding(layouts, dims, ndim)),
         tuple(dims), count, eps,
@@ -347,6 +349,104 @@ def batch_norm_handler(
     _update_running(running_mean, mean.flatten(), momentum)
     _update_running(running_var, var.flatten() * (count / (count - 1)), momentum)
     return from_local_like(_as_input(y, local), x)
+
+
+def _grouped_view(local: torch.Tensor, groups: int) -> tuple[int, ...]:
+    """``(N, groups, C // groups, *spatial)``: statistics of a group (instance norm: groups = C) over dims 2.."""
+    return (local.shape[0], groups, local.shape[1] // groups) + tuple(local.shape[2:])
+
+
+def _channel_norm_composed(
+    local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
+    stat_mesh_dims: Sequence[int], param_mesh_dims: Sequence[int], groups: int, count: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group (instance) norm from differentiable ops: ``(output, mean, var)``, the statistics in the grouped view."""
+    grouped = local.reshape(_grouped_view(local, groups))
+    mean, var = _moments_over(grouped, tuple(range(2, grouped.dim())), mesh, stat_mesh_dims, count)
+    y = ((grouped - mean) * torch.rsqrt(var + eps)).reshape(local.shape)
+    if weight is not None:
+        y = y * _channel_view(sum_grad_over(weight, mesh, param_mesh_dims), local.dim())
+    if bias is not None:
+        y = y + _channel_view(sum_grad_over(bias, mesh, param_mesh_dims), local.dim())
+    return y, mean, var
+
+
+class _GroupNormTrain(torch.autograd.Function):
+    """Group norm (instance norm with ``groups = C``) over sharded spatial rows, saving what torch's kernel saves.
+
+    Forward: two all-reduces of the ``N x groups`` statistics over the mesh dims that shard
+    the spatial dims. Backward: one all-reduce of ``[sum(dz), sum(dz * x_hat)]`` per
+    statistic (``dz`` the gradient of the normalized value) over the same mesh dims, and one
+    of ``[sum(dy * x_hat), sum(dy)]`` per channel (the weight and bias gradients) over every
+    mesh dim that shards the input. It saves the input and the statistics only; the
+    composed form kept several block-sized intermediates. Double backward differentiates
+    the composed form, recomputed from the saved inputs.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
+        stat_mesh_dims: tuple[int, ...], param_mesh_dims: tuple[int, ...], groups: int, count: int, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grouped = local.reshape(_grouped_view(local, groups))
+        dims = tuple(range(2, grouped.dim()))
+        mean = _summed_over(grouped.sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
+        centered = grouped - mean
+        var = _summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
+        invstd = torch.rsqrt(var + eps)
+        y = centered.mul_(invstd).reshape(local.shape)
+        if weight is not None:
+            y = y.mul_(_channel_view(weight, local.dim()))
+        if bias is not None:
+            y = y.add_(_channel_view(bias, local.dim()))
+        ctx.save_for_backward(local, weight, bias, mean, invstd)
+        ctx.plan = (mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps)
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        local, weight, bias, mean, invstd = ctx.saved_tensors
+        mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps = ctx.plan
+        nones = (None,) * 6
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the composed form
+            wanted = [t for t in (local, weight, bias) if t is not None and t.requires_grad]
+            y = _channel_norm_composed(local, weight, bias, mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps)[0]
+            by_input = dict(zip(map(id, wanted), torch.autograd.grad(y, wanted, grad, create_graph=True)))
+            return (*(None if t is None else by_input.get(id(t)) for t in (local, weight, bias)), *nones)
+        with torch.profiler.record_function("shardext.group_norm.backward"):
+            view = _grouped_view(local, groups)
+            x_hat = (local.reshape(view) - mean).mul_(invstd)
+            # Per (sample, channel) sums of dy and dy * x_hat: the parameter gradients, and,
+            # weighted by the channel's weight and summed over the group, the statistics the
+            # input gradient needs (dz = dy * weight is never formed as a block).
+            spatial = tuple(range(2, local.dim()))
+            sum_dy = grad.sum(dim=spatial)
+            sum_dy_x_hat = (grad * x_hat.reshape(local.shape)).sum(dim=spatial)
+            wants_weight = weight is not None and ctx.needs_input_grad[1]
+            wants_bias = bias is not None and ctx.needs_input_grad[2]
+            grad_weight = grad_bias = None
+            if wants_weight or wants_bias:
+                params = _summed_over(torch.stack([sum_dy_x_hat.sum(0), sum_dy.sum(0)]), mesh, param_mesh_dims)
+                grad_weight = params[0].to(weight.dtype) if wants_weight else None
+                grad_bias = params[1].to(bias.dtype) if wants_bias else None
+            grad_input = None
+            if ctx.needs_input_grad[0]:
+                if weight is not None:
+                    sum_dy, sum_dy_x_hat = sum_dy * weight, sum_dy_x_hat * weight
+                n, per_group = local.shape[0], local.shape[1] // groups
+                stats = _summed_over(
+                    torch.stack([sum_dy, sum_dy_x_hat]).reshape(2, n, groups, per_group).sum(-1), mesh, stat_mesh_dims
+                ).reshape((2, n, groups) + (1,) * (len(view) - 2))
+                dy = grad.reshape(view)
+                # (dz - mean(dz) - x_hat * mean(dz * x_hat)) * invstd, in x_hat's storage.
+                grad_input = x_hat.mul_(-stats[1] / count)
+                if weight is None:
+                    grad_input.add_(dy)
+                else:
+                    grad_input.addcmul_(dy, weight.reshape((1, groups, per_group) + (1,) * (len(view) - 3)))
+                grad_input = grad_input.sub_(stats[0] / count).mul_(invstd).reshape(local.shape)
+        return (grad_input, grad_weight, grad_bias, *nones)
 
 
 # -- instance norm --------------------------------------------------------------------------
@@ -361,7 +461,7 @@ def instance_norm_handler(
     if is_partial(x) or x.dim() < 3 or (not a["use_input_stats"] and _no_stats(a)):
         # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors come back.
         return delegate(func, types, args, kwargs)
-    x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=3)
+    layouts = _channel_layouts(x, op, min_rank=3)
     running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
     local, eps, ndim = local_of(x), a["eps"], x.dim()
     spatial = list(range(2, ndim))
@@ -369,7 +469,11 @@ def instance_norm_handler(
         count = _count(x, spatial)
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got input size {tuple(x.shape)}")
-        mean, var = _moments(_opmath(local), spatial, x, _mesh_dims_sharding(layouts, spatial, ndim), count)
+        y, mean, var = _GroupNormTrain.apply(
+            _opmath(local), _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias"),
+            x._spec.mesh, tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
+            x.shape[1], count, eps,
+        )
         if running_mean is not None or running_var is not None:
             # Running stats average the per-instance stats over the (possibly sharded) batch.
             batch_mesh_dims, n = _mesh_dims_sharding(layouts, [0], ndim), x.shape[0]
@@ -378,10 +482,11 @@ def instance_norm_handler(
                 stats = all_reduce_sum(stats, x._spec.mesh, batch_mesh_dims) / n
             _update_running(running_mean, stats[0], a["momentum"])
             _update_running(running_var, stats[1] * (count / (count - 1)), a["momentum"])
-    else:
-        if running_mean is None or running_var is None:
-            raise MissingShardPatch(f"{op}: use_input_stats=False without running statistics is not supported")
-        mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
+        return from_local_like(_as_input(y, local), x)
+    if running_mean is None or running_var is None:
+        raise MissingShardPatch(f"{op}: use_input_stats=False without running statistics is not supported")
+    mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
+    weight, bias = _param(a["weight"], x, op, "weight"), _param(a["bias"], x, op, "bias")
     return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
 
 
@@ -393,21 +498,19 @@ def group_norm_handler(
     """Group norm: per-sample per-group statistics over channels of the group and sharded spatial dims."""
     op = "group_norm"
     a = bind_arguments(F.group_norm, args, kwargs)
-    x, layouts, weight, bias = _channel_norm_call(a, op, min_rank=2)
+    x = a["input"]
+    layouts = _channel_layouts(x, op, min_rank=2)
     groups_n, n_channels = a["num_groups"], x.shape[1]
     if n_channels % groups_n:
         raise ValueError(f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}")
     local, ndim = local_of(x), x.dim()
-    grouped = _opmath(local).reshape((local.shape[0], groups_n, n_channels // groups_n) + tuple(local.shape[2:]))
     spatial = list(range(2, ndim))
-    count = (n_channels // groups_n) * _count(x, spatial)
-    # Reduce over (channels in group, spatial) of the grouped view: its dims 2.. ; sharded ones are spatial.
-    mean, var = _moments(grouped, list(range(2, ndim + 1)), x, _mesh_dims_sharding(layouts, spatial, ndim), count)
-    y = ((grouped - mean) * torch.rsqrt(var + a["eps"])).reshape(local.shape)
-    if weight is not None:
-        y = y * _channel_view(weight, ndim)
-    if bias is not None:
-        y = y + _channel_view(bias, ndim)
+    # Statistics over (channels in group, spatial) of the grouped view; the sharded ones are spatial.
+    y = _GroupNormTrain.apply(
+        _opmath(local), _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias"),
+        x._spec.mesh, tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
+        groups_n, (n_channels // groups_n) * _count(x, spatial), a["eps"],
+    )[0]
     return from_local_like(_as_input(y, local), x)
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches.normalization import NORMALIZATION_TARGETS, _BatchNormTrain
+from physicsnemo_shardext.patches.normalization import NORMALIZATION_TARGETS, _BatchNormTrain, _GroupNormTrain
 from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, partial_terms, shard_tensor
 
 
@@ -265,16 +265,36 @@ def test_batch_norm_backward_is_one_all_reduce_of_two_statistics(domain_mesh, af
     assert stats.backward.total_bytes == 2 * 4 * 4  # [sum(dy), sum(dy * x_hat)] of C=4 float32
 
 
+def _batch_norm_function(x, w, b, mesh):
+    return _BatchNormTrain.apply(x, w, b, mesh, (0,), (0, 2, 3), 2 * 7 * 4, 1e-5)[0]
+
+
+def _group_norm_function(x, w, b, mesh):
+    return _GroupNormTrain.apply(x, w, b, mesh, (0,), (0,), 3, 7 * 4, 1e-5)[0]
+
+
+DOUBLE_BACKWARD = {
+    "batch_norm": (_batch_norm_function, lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)),
+    "instance_norm": (_group_norm_function, lambda x, w, b: F.instance_norm(x, weight=w, bias=b)),
+    "group_norm_one_group": (
+        lambda x, w, b, mesh: _GroupNormTrain.apply(x, w, b, mesh, (0,), (0,), 1, 3 * 7 * 4, 1e-5)[0],
+        lambda x, w, b: F.group_norm(x, 1, w, b),
+    ),
+}
+
+
 @pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(DOUBLE_BACKWARD))
 @pytest.mark.parametrize("split", [[4, 3], [6, 1]])
-def test_batch_norm_double_backward_matches_single_process(domain_mesh, rank, split):
-    """A gradient penalty (create_graph=True) through the batch-norm autograd Function: second-order
-    input and weight gradients equal single-process ones.
+def test_norm_function_double_backward_matches_single_process(domain_mesh, rank, split, name):
+    """A gradient penalty (create_graph=True) through the batch- and group-norm autograd Functions:
+    second-order input and weight gradients equal single-process ones.
 
     Called on each rank's block directly: ShardTensor itself returns first-order gradients of its
-    leaves detached in PhysicsNeMo 2.2 (no graph to differentiate), so a penalty on a ShardTensor
-    input cannot be checked end to end yet.
+    leaves cut from the graph in PhysicsNeMo 2.2 (nothing to differentiate), so a penalty on a
+    ShardTensor input cannot be checked end to end yet.
     """
+    sharded_norm, reference_norm = DOUBLE_BACKWARD[name]
     torch.manual_seed(3)
     full = torch.randn(2, 3, 7, 4, dtype=torch.float64)
     cotangent = torch.randn(2, 3, 7, 4, dtype=torch.float64)
@@ -287,19 +307,25 @@ def test_batch_norm_double_backward_matches_single_process(domain_mesh, rank, sp
 
     w_ref, b_ref = weight.clone().requires_grad_(), bias.clone().requires_grad_()
     x_ref = full.clone().requires_grad_()
-    penalty(x_ref, cotangent, w_ref, b_ref, lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)).backward()
+    penalty(x_ref, cotangent, w_ref, b_ref, reference_norm).backward()
 
     rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
     x = full[:, :, rows].clone().requires_grad_()
     w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
-
-    def sharded_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return _BatchNormTrain.apply(x, w, b, domain_mesh, (0,), (0, 2, 3), 2 * 7 * 4, 1e-5)[0]
-
-    penalty(x, cotangent[:, :, rows], w, b, sharded_norm).backward()
+    penalty(x, cotangent[:, :, rows], w, b, lambda x, w, b: sharded_norm(x, w, b, domain_mesh)).backward()
     torch.testing.assert_close(x.grad, x_ref.grad[:, :, rows])
     torch.testing.assert_close(w.grad, w_ref.grad)
     assert x.grad.abs().sum() > 0 and w.grad.abs().sum() > 0  # really second order, not zeros
+
+
+@pytest.mark.multirank(2)
+def test_group_norm_backward_communication(domain_mesh):
+    """Backward: one all-reduce of [sum(dz), sum(dz * x_hat)] per (sample, group) and one of the
+    weight and bias gradients per channel."""
+    spec = ShardSpec(domain_mesh, [Shard(2)], [4, 3])
+    stats = measure_comms(_randomize(torch.nn.GroupNorm(2, 4)), [torch.randn(2, 4, 7, 5)], spec)
+    assert stats.backward.counts == {"c10d.allreduce_": 2}
+    assert stats.backward.total_bytes == (2 * 2 * 2 + 2 * 4) * 4  # N x groups x 2 and C x 2 float32
 
 
 @pytest.mark.multirank(2)
