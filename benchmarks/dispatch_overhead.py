@@ -208,17 +208,27 @@ def per_model(
     return rows
 
 
-def _print_ops(ops: list[dict[str, Any]], device: str, repeats: int) -> None:
-    print(f"per op, {device}, 1x8x32x32 on a one-rank mesh (median us of {repeats}):")
-    print("| op | plain | ShardTensor, do-nothing handler | without this package | ours | handler adds |")
-    print("|---|---|---|---|---|---|")
-    for row in ops:
-        if "error" in row:
-            print(f"| {row['op']} | {row['plain_us']:.0f} | - | - | fails: {row['error'][:60]} | - |")
-        else:
-            without = f"{row['without_us']:.0f}" if "without_us" in row else f"fails ({row['without_error'][:40]})"
-            print(f"| {row['op']} | {row['plain_us']:.0f} | {row['noop_us']:.0f} | {without} | {row['ours_us']:.0f} "
-                  f"| {row['handler_us']:.0f} |")
+def _print_table(title: str, header: list[str], lines: list[list[str]]) -> None:
+    """One markdown table (the per-op and per-model results share this shape)."""
+    print(title)
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for cells in lines:
+        print("| " + " | ".join(cells) + " |")
+
+
+def _op_cells(row: dict[str, Any]) -> list[str]:
+    if "error" in row:
+        return [row["op"], f"{row['plain_us']:.0f}", "-", "-", f"fails: {row['error'][:60]}", "-"]
+    without = f"{row['without_us']:.0f}" if "without_us" in row else f"fails ({row['without_error'][:40]})"
+    return [row["op"], f"{row['plain_us']:.0f}", f"{row['noop_us']:.0f}", without, f"{row['ours_us']:.0f}",
+            f"{row['handler_us']:.0f}"]
+
+
+def _model_cells(row: dict[str, Any]) -> list[str]:
+    if "error" in row:
+        return [row["model"], row["mode"], "-", f"fails: {row['error'][:80]}", "-"]
+    return [row["model"], row["mode"], f"{row['plain_ms']:.2f}", f"{row['shard_ms']:.2f}", f"{row['ratio']:.2f}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,19 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     mesh = _init(args.device)
     ops = [] if args.skip_ops else per_op(mesh, args.device, args.op_repeats)
     if ops:
-        _print_ops(ops, args.device, args.op_repeats)
+        _print_table(f"per op, {args.device}, 1x8x32x32 on a one-rank mesh (median us of {args.op_repeats}):",
+                     ["op", "plain", "ShardTensor, do-nothing handler", "without this package", "ours", "handler adds"],
+                     [_op_cells(row) for row in ops])
     models = [] if args.skip_models else per_model(
         mesh, args.device, args.size or [64], args.repeats, args.compile, args.model)
     if models:
-        print(f"\nper model, {args.device}, forward+backward on a one-rank mesh (median ms of {args.repeats}):")
-        print("| model | mode | plain | ShardTensor | ratio |")
-        print("|---|---|---|---|---|")
-        for row in models:
-            if "error" in row:
-                print(f"| {row['model']} | {row['mode']} | - | fails: {row['error'][:80]} | - |")
-            else:
-                print(f"| {row['model']} | {row['mode']} | {row['plain_ms']:.2f} | {row['shard_ms']:.2f} "
-                      f"| {row['ratio']:.2f} |")
+        _print_table(f"\nper model, {args.device}, forward+backward on a one-rank mesh (median ms of {args.repeats}):",
+                     ["model", "mode", "plain", "ShardTensor", "ratio"], [_model_cells(row) for row in models])
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"device": args.device, "torch": torch.__version__, "ops": ops, "models": models}, handle,

@@ -72,7 +72,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor
@@ -88,10 +87,12 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     local_of,
+    profiled_range,
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
     sum_grad_over,
+    summed_over,
 )
 
 __all__ = ["NORMALIZATION_TARGETS"]
@@ -229,13 +230,18 @@ def _no_stats(a: dict[str, Any]) -> bool:
     return a["running_mean"] is None or a["running_var"] is None
 
 
-def _summed_over(value: torch.Tensor, mesh: Any, mesh_dims: Sequence[int]) -> torch.Tensor:
-    """``value`` summed over ``mesh_dims`` (one all-reduce each, none over a single rank); no autograd."""
-    total = value.contiguous().clone()
-    for mesh_dim in mesh_dims:
-        if mesh.size(mesh_dim) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
-    return total
+def _grads_through(
+    composed: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor | None, ...], grad: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``inputs`` (``None`` for absent or frozen ones) through ``composed()``, kept differentiable.
+
+    A hand-written backward is not itself differentiable. Under ``create_graph=True``
+    (a double backward) the norm Functions rebuild the output from differentiable
+    ops and differentiate that instead, so second derivatives stay exact.
+    """
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    by_input = dict(zip(map(id, wanted), torch.autograd.grad(composed(), wanted, grad, create_graph=True)))
+    return tuple(None if t is None else by_input.get(id(t)) for t in inputs)
 
 
 def _batch_norm_composed(
@@ -270,9 +276,9 @@ class _BatchNormTrain(torch.autograd.Function):
         ctx: Any, local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
         mesh_dims: tuple[int, ...], dims: tuple[int, ...], count: int, eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mean = _summed_over(local.sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
+        mean = summed_over(local.sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
         centered = local - mean
-        var = _summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
+        var = summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
         invstd = torch.rsqrt(var + eps)
         y = centered.mul_(invstd)
         if weight is not None:
@@ -289,16 +295,14 @@ class _BatchNormTrain(torch.autograd.Function):
         local, weight, bias, mean, invstd = ctx.saved_tensors
         mesh, mesh_dims, dims, count, eps = ctx.plan
         nones = (None,) * 5
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the composed form
-            inputs = [t for t in (local, weight, bias) if t is not None]
-            wanted = [t for t in inputs if t.requires_grad]
-            y = _batch_norm_composed(local, weight, bias, mesh, mesh_dims, dims, count, eps)
-            grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=True))
-            by_input = {id(t): next(grads) for t in wanted}
-            return (*(None if t is None else by_input.get(id(t)) for t in (local, weight, bias)), *nones)
-        with torch.profiler.record_function("shardext.batch_norm.backward"):
+        if torch.is_grad_enabled():  # create_graph=True
+            def composed() -> torch.Tensor:
+                return _batch_norm_composed(local, weight, bias, mesh, mesh_dims, dims, count, eps)
+
+            return (*_grads_through(composed, (local, weight, bias), grad), *nones)
+        with profiled_range("shardext.batch_norm.backward"):
             x_hat = (local - mean).mul_(invstd)
-            sums = _summed_over(
+            sums = summed_over(
                 torch.stack([grad.sum(dim=dims, keepdim=True), (grad * x_hat).sum(dim=dims, keepdim=True)]),
                 mesh, mesh_dims,
             )
@@ -390,9 +394,9 @@ class _GroupNormTrain(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grouped = local.reshape(_grouped_view(local, groups))
         dims = tuple(range(2, grouped.dim()))
-        mean = _summed_over(grouped.sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
+        mean = summed_over(grouped.sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
         centered = grouped - mean
-        var = _summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
+        var = summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
         invstd = torch.rsqrt(var + eps)
         y = centered.mul_(invstd).reshape(local.shape)
         if weight is not None:
@@ -409,12 +413,13 @@ class _GroupNormTrain(torch.autograd.Function):
         local, weight, bias, mean, invstd = ctx.saved_tensors
         mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps = ctx.plan
         nones = (None,) * 6
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the composed form
-            wanted = [t for t in (local, weight, bias) if t is not None and t.requires_grad]
-            y = _channel_norm_composed(local, weight, bias, mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps)[0]
-            by_input = dict(zip(map(id, wanted), torch.autograd.grad(y, wanted, grad, create_graph=True)))
-            return (*(None if t is None else by_input.get(id(t)) for t in (local, weight, bias)), *nones)
-        with torch.profiler.record_function("shardext.group_norm.backward"):
+        if torch.is_grad_enabled():  # create_graph=True
+            def composed() -> torch.Tensor:
+                return _channel_norm_composed(
+                    local, weight, bias, mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps)[0]
+
+            return (*_grads_through(composed, (local, weight, bias), grad), *nones)
+        with profiled_range("shardext.group_norm.backward"):
             view = _grouped_view(local, groups)
             x_hat = (local.reshape(view) - mean).mul_(invstd)
             # Per (sample, channel) sums of dy and dy * x_hat: the parameter gradients, and,
@@ -427,7 +432,7 @@ class _GroupNormTrain(torch.autograd.Function):
             wants_bias = bias is not None and ctx.needs_input_grad[2]
             grad_weight = grad_bias = None
             if wants_weight or wants_bias:
-                params = _summed_over(torch.stack([sum_dy_x_hat.sum(0), sum_dy.sum(0)]), mesh, param_mesh_dims)
+                params = summed_over(torch.stack([sum_dy_x_hat.sum(0), sum_dy.sum(0)]), mesh, param_mesh_dims)
                 grad_weight = params[0].to(weight.dtype) if wants_weight else None
                 grad_bias = params[1].to(bias.dtype) if wants_bias else None
             grad_input = None
@@ -435,7 +440,7 @@ class _GroupNormTrain(torch.autograd.Function):
                 if weight is not None:
                     sum_dy, sum_dy_x_hat = sum_dy * weight, sum_dy_x_hat * weight
                 n, per_group = local.shape[0], local.shape[1] // groups
-                stats = _summed_over(
+                stats = summed_over(
                     torch.stack([sum_dy, sum_dy_x_hat]).reshape(2, n, groups, per_group).sum(-1), mesh, stat_mesh_dims
                 ).reshape((2, n, groups) + (1,) * (len(view) - 2))
                 dy = grad.reshape(view)

@@ -14,7 +14,8 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
    `transpose_shard`, `resplit_rows` / `align_shard` (boundaries to multiples
    of ``k``, sizes from `aligned_split_sizes`), `gather_full`, and the three gradient contracts
-   `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated`;
+   `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated` (and `summed_over`,
+   the bare sum, inside a hand-written backward);
    replicated operands through `replicated_local` / `replicated_part`
    (`is_replicated` tells them apart; `elementwise_with_replicated` applies a
    binary op to a shard and a replicated operand);
@@ -26,7 +27,7 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 Under ``torch.compile`` a handler runs eagerly behind a graph break:
 `eager_handler` wraps it so that, called on fake operands (`is_tracing`), it
 refuses to be traced (`refuse_tracing`) instead of tracing its collectives
-wrongly.
+wrongly. `profiled_range` names a step in a profiler trace at no cost otherwise.
 
 Examples:
     >>> from physicsnemo_shardext.primitives import DimLayout, halo_indices
@@ -58,7 +59,8 @@ from physicsnemo_shardext.primitives.layout import (
     split_rows_by_owner,
 )
 from physicsnemo_shardext.primitives.meta import meta_output_shape
-from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated
+from physicsnemo_shardext.primitives.profiling import profiled_range
+from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated, summed_over
 from physicsnemo_shardext.primitives.replicated import (
     elementwise_with_replicated,
     gather_full,
@@ -99,6 +101,7 @@ __all__ = [
     "move_shard",
     "normalize_dim",
     "plan_exchange",
+    "profiled_range",
     "refuse_tracing",
     "replicated_local",
     "replicated_part",
@@ -110,6 +113,7 @@ __all__ = [
     "split_rows_by_owner",
     "sum_grad_over",
     "sum_to_replicated",
+    "summed_over",
     "tie_to_graph",
     "transpose_shard",
     "wrap_local",

@@ -41,6 +41,7 @@ from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
+from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["align_shard", "aligned_split_sizes", "resplit_rows"]
@@ -193,7 +194,7 @@ def resplit_rows(local: torch.Tensor, layout: DimLayout, sizes: Sequence[int]) -
                          f"layout says {layout.local_size}")
     if sizes == tuple(layout.sizes):
         return local
-    with torch.profiler.record_function("shardext.resplit_rows"):
+    with profiled_range("shardext.resplit_rows"):
         out: torch.Tensor = _Resplit.apply(local, layout, dim, tuple(layout.sizes), sizes)
         return out
 

@@ -98,7 +98,20 @@ def is_tracing(args: Any, kwargs: Any = None) -> bool:
     PhysicsNeMo's ShardTensor does). ``is_fake`` sees through ShardTensor, DTensor
     and functional wrappers.
     """
-    return any(isinstance(leaf, torch.Tensor) and is_fake(leaf) for leaf in tree_leaves((args, kwargs)))
+    for arg in args:
+        if _holds_fake(arg):
+            return True
+    return bool(kwargs) and any(_holds_fake(value) for value in kwargs.values())
+
+
+def _holds_fake(value: Any) -> bool:
+    # Runs on every handler call: tensors and scalars (nearly all arguments) are
+    # answered without flattening a pytree; containers take the general path.
+    if isinstance(value, torch.Tensor):
+        return is_fake(value)
+    if isinstance(value, (list, tuple, dict)):
+        return any(isinstance(leaf, torch.Tensor) and is_fake(leaf) for leaf in tree_leaves(value))
+    return False
 
 
 def _code_of(method: Any) -> Any:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from physicsnemo_shardext.primitives.layout import DimLayout
+from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["ExchangePlan", "gather_global_indices", "halo_indices", "plan_exchange"]
@@ -269,7 +270,7 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
         >>> flipped[:, 0].tolist() == [list(range(16, 6, -1)), list(range(6, -1, -1))][rank]
         True
     """
-    with torch.profiler.record_function("shardext.gather_global_indices"):
+    with profiled_range("shardext.gather_global_indices"):
         plan = plan_exchange(layout, wanted_by)
         rows_first = local.movedim(layout.tensor_dim, 0)
         out = _GatherGlobalIndices.apply(rows_first, layout, plan)

@@ -50,7 +50,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["all_reduce_sum", "sum_grad_over", "sum_to_replicated"]
+from physicsnemo_shardext.primitives.profiling import profiled_range
+
+__all__ = ["all_reduce_sum", "sum_grad_over", "sum_to_replicated", "summed_over"]
 
 
 def _spanning(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
@@ -58,10 +60,23 @@ def _spanning(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
     return tuple(d for d in mesh_dims if mesh.size(d) > 1)
 
 
-def _summed(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
-    """A contiguous copy of ``value`` summed over each of ``mesh_dims`` in turn (one all-reduce each)."""
-    total = value.contiguous().clone()
-    for mesh_dim in mesh_dims:
+def summed_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """A contiguous copy of ``value`` summed over each of ``mesh_dims`` in turn; not differentiable.
+
+    The collective under the three gradient contracts, for the inside of an
+    ``autograd.Function`` whose backward is written by hand (a norm's statistics
+    and their gradients). One all-reduce per mesh dim of more than one rank; none
+    (a copy) where every dim has a single rank. Use `all_reduce_sum` where autograd
+    should see the sum.
+
+    Examples:
+        On 2 ranks:
+
+        >>> summed_over(torch.tensor([rank + 1.0]), mesh, [0])
+        tensor([3.])
+    """
+    total = value.detach().clone(memory_format=torch.contiguous_format)
+    for mesh_dim in _spanning(mesh, mesh_dims):
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
     return total
 
@@ -75,7 +90,7 @@ class _SumGradOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # Through the differentiable sum, so that double backward (create_graph=True) works.
-        with torch.profiler.record_function("shardext.sum_grad_over.backward"):
+        with profiled_range("shardext.sum_grad_over.backward"):
             return cast(torch.Tensor, _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
 
 
@@ -83,19 +98,19 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
         ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
-        return _summed(value, mesh, mesh_dims)
+        return summed_over(value, mesh, mesh_dims)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # The sum over ranks is its own adjoint: applying it again keeps double backward exact.
-        with torch.profiler.record_function("shardext.all_reduce_sum.backward"):
+        with profiled_range("shardext.all_reduce_sum.backward"):
             return cast(torch.Tensor, _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
 
 
 class _SumToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
-        return _summed(addend, mesh, mesh_dims)
+        return summed_over(addend, mesh, mesh_dims)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -124,7 +139,7 @@ def sum_grad_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int
     mesh_dims = _spanning(mesh, mesh_dims)
     if not mesh_dims:
         return value
-    with torch.profiler.record_function("shardext.sum_grad_over"):
+    with profiled_range("shardext.sum_grad_over"):
         return cast(torch.Tensor, _SumGradOver.apply(value, mesh, mesh_dims))
 
 
@@ -149,7 +164,7 @@ def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[in
     mesh_dims = _spanning(mesh, mesh_dims)
     if not mesh_dims:
         return value
-    with torch.profiler.record_function("shardext.all_reduce_sum"):
+    with profiled_range("shardext.all_reduce_sum"):
         return cast(torch.Tensor, _AllReduceSum.apply(value, mesh, mesh_dims))
 
 
@@ -174,5 +189,5 @@ def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequenc
     mesh_dims = _spanning(mesh, mesh_dims)
     if not mesh_dims:
         return addend
-    with torch.profiler.record_function("shardext.sum_to_replicated"):
+    with profiled_range("shardext.sum_to_replicated"):
         return cast(torch.Tensor, _SumToReplicated.apply(addend, mesh, mesh_dims))

@@ -46,6 +46,7 @@ from torch.distributed.tensor import Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
+from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["balanced_split_sizes", "move_shard", "transpose_shard"]
@@ -184,7 +185,7 @@ def move_shard(
     if local.shape[src_dim] != layout.local_size:
         raise ValueError(f"move_shard: local block has {local.shape[src_dim]} rows on dim {src_dim}, "
                          f"layout says {layout.local_size}")
-    with torch.profiler.record_function("shardext.move_shard"):
+    with profiled_range("shardext.move_shard"):
         return _MoveShard.apply(local, layout, src_dim, dst_dim, layout.sizes, sizes)
 
 

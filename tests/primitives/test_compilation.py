@@ -49,6 +49,10 @@ def test_refuses_fake_operands_before_running_the_handler():
     with FakeTensorMode():
         fake = torch.ones(3)
     assert is_tracing(((fake,),), {}) and not is_tracing((torch.ones(3),), {"x": [1]})
+    # Fakes are found as keyword values and inside containers; scalars and None are skipped.
+    assert is_tracing((torch.ones(1), None, 2.0), {"weight": fake})
+    assert is_tracing((torch.ones(1),), {"pair": {"a": [torch.ones(1), fake]}})
+    assert not is_tracing((torch.ones(1), None, "same"), None)
     with pytest.raises(Unsupported, match="torch.add"):
         handler(torch.add, (), (fake, 1), {})
     assert ran == []

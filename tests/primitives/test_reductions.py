@@ -7,10 +7,12 @@ gradient and the number of ``c10d.allreduce_`` calls in each direction, on a
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
-from physicsnemo_shardext.primitives import all_reduce_sum, sum_grad_over, sum_to_replicated
+from physicsnemo_shardext.primitives import all_reduce_sum, sum_grad_over, sum_to_replicated, summed_over
 from physicsnemo_shardext.testing import CommCounter
 
 #: name -> (primitive, sums in forward, sums in backward)
@@ -112,3 +114,30 @@ def test_backward_is_differentiable_for_double_backward(domain_mesh, rank, name)
     (grad * _value(rank)).sum().backward()
     expected = sum(_value(r) for r in group) if sums_backward else _value(rank)
     torch.testing.assert_close(cotangent.grad, expected, rtol=0, atol=0, msg=f"{name} double backward on rank {rank}")
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("mesh_dims", [[0, 1], [1]], ids=["both", "dim1"])
+def test_summed_over_is_the_bare_sum(spatial_mesh, rank, mesh_dims):
+    # The collective under the contracts, for hand-written backwards: a new tensor, no graph.
+    value = _value(rank).requires_grad_()
+    with CommCounter() as counter:
+        total = summed_over(value.t(), spatial_mesh, mesh_dims)
+    expected = sum(_value(r) for r in _group(spatial_mesh, mesh_dims, rank)).t()
+    torch.testing.assert_close(total, expected, rtol=0, atol=0)
+    assert not total.requires_grad and total.is_contiguous()
+    torch.testing.assert_close(value.detach(), _value(rank), rtol=0, atol=0, msg="the input was written in place")
+    assert counter.stats.counts == {"c10d.allreduce_": len(mesh_dims)}
+
+
+def test_summed_over_a_single_rank_is_a_copy_without_communication():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class OneRank:  # only mesh.size() is read when nothing spans more than one rank
+        def size(self, mesh_dim: int) -> int:
+            return 1
+
+    value = torch.arange(4.0)
+    with CommCounter() as counter:
+        total = summed_over(value, cast(DeviceMesh, OneRank()), [0])
+    assert total is not value and torch.equal(total, value) and counter.stats.total_calls == 0
