@@ -121,6 +121,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     local_of,
+    meta_output_shape,
     move_shard,
     replicated_part,
     resplit_rows,
@@ -272,7 +273,7 @@ def flatten_local(
         return fallback(func, args, kwargs)  # as before this plugin
     if x.ndim == 0:
         return from_local_like(func(local_of(x), *rest, **kwargs), x)
-    new_shape = tuple(torch.empty(x.shape, device="meta").flatten(int(start), int(end)).shape)
+    new_shape = tuple(meta_output_shape(torch.flatten, (x, int(start), int(end))))
     if not _reshapable(x, new_shape):
         return fallback(func, args, kwargs)  # zero-size dims: as before this plugin
     return reshape_sharded(func, x, new_shape)
@@ -309,8 +310,7 @@ def unflatten_local(
     if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     dim = int(dim) % x.ndim
-    split = tuple(torch.empty(x.shape[dim], device="meta").unflatten(0, tuple(shape)).shape)
-    new_shape = tuple(x.shape[:dim]) + split + tuple(x.shape[dim + 1:])
+    new_shape = tuple(meta_output_shape(torch.unflatten, (x, dim, tuple(shape))))
     if not _reshapable(x, new_shape):
         return fallback(func, args, kwargs)  # zero-size dims: as before this plugin
     return reshape_sharded(func, x, new_shape)
@@ -548,7 +548,7 @@ def reshape_merging_sharded_dims(
         if isinstance(shape, int):
             shape = (shape,)
         try:
-            new_shape = tuple(torch.empty(x.shape, device="meta").reshape(tuple(shape)).shape)
+            new_shape = tuple(meta_output_shape(torch.reshape, (x, tuple(shape))))
         except (RuntimeError, TypeError):
             new_shape = None  # view(dtype), a bad shape: the built-in's business
         if new_shape is not None and _reshapable(x, new_shape):

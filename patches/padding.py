@@ -72,6 +72,7 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    meta_output_shape,
     sharded_dims,
 )
 
@@ -183,7 +184,7 @@ def sharded_pad(
             "circular mode (redistribute to Shard/Replicate first)"
         )
     # torch's own validation (pad length vs mode and ndim, reflect < N, circular <= N) on the global shape.
-    torch.nn.functional.pad(torch.empty(x.shape, device="meta", dtype=x.dtype), pad, mode, value)
+    meta_output_shape(torch.nn.functional.pad, (x, pad, mode, value))
 
     pads = _pads_by_dim(pad, x.ndim)
     layouts = sharded_dims(x)

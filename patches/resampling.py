@@ -94,6 +94,7 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    meta_output_shape,
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
@@ -125,7 +126,7 @@ def pixel_shuffle_handler(
     x, r = a["input"], int(a["upscale_factor"])
     if is_partial(x):
         return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
-    func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)  # PyTorch's own argument checks
+    meta_output_shape(func, (x, r))  # PyTorch's own argument checks (cached per configuration)
     channel = x.ndim - 3
     sizes: dict[int, list[int]] = {}
     for d, layout in sharded_dims(x).items():
@@ -160,7 +161,7 @@ def pixel_unshuffle_handler(
     x, r = a["input"], int(a["downscale_factor"])
     if is_partial(x):
         return delegate(func, types, args, kwargs)  # a permutation of elements: the fallback keeps Partial(sum)
-    func(torch.empty(x.shape, device="meta", dtype=x.dtype), r)
+    meta_output_shape(func, (x, r))
     channel = x.ndim - 3
     local = local_of(x)
     sizes: dict[int, list[int]] = {}
@@ -359,7 +360,7 @@ def interpolate_handler(
         return delegate(func, types, args, kwargs)  # interpolation is linear: the built-in resizes each term
     require_shard_input(func, x)
     meta_kwargs = {k: v for k, v in a.items() if k != "input"}
-    out_shape = func(torch.empty(x.shape, device="meta", dtype=x.dtype), **meta_kwargs).shape  # PyTorch's checks
+    out_shape = meta_output_shape(func, (x,), meta_kwargs)  # PyTorch's checks, cached per configuration
     n = x.ndim - 2
     spatial = {d: l for d, l in sharded_dims(x).items() if d >= 2}
     if not spatial:
