@@ -11,24 +11,26 @@ error** (measured for all six ops above).
 This plugin wraps ``redistribute_local_tensor`` (the function through which
 every DTensor redistribution passes, bound in three torch modules) with a check
 made from the spec alone, without communication: for every mesh dim whose
-placement changes from ``Shard(d)``, does the local block have the size
-``torch.chunk`` would give it on ``d``?
+placement changes from ``Shard(d)``, are the rows of every rank (as the
+ShardTensor spec records them; the local block's size for a plain DTensor
+spec) the sizes ``torch.chunk`` would give on ``d``? Every rank reads the same
+sizes, so every rank takes the same path.
 
 * Yes (every chunk-layout split, every DTensor of DTensor's own making): the
   original function runs, unchanged.
-* No, the move is ``Shard(d) -> Replicate`` and the spec is a ShardTensor spec
-  recording every rank's rows: those rows are all-gathered with their true
-  sizes (one all-gather over that mesh dim), then DTensor continues from
-  ``Replicate``. Forward values are then right; gradients come back through the
-  fallback's backward (see ``fallback_fix``), in the input's own layout.
-* No, and anything else (``Shard -> Shard``, sizes unknown, one dim sharded
-  over several mesh dims): ``MissingShardPatch`` naming the op's layout, instead
-  of wrong numbers.
+* No, the move is ``Shard(d) -> Replicate`` or ``Shard(d) -> Shard(e)`` and the
+  spec is a ShardTensor spec recording every rank's rows: those rows are
+  all-gathered with their true sizes (one all-gather over that mesh dim), then
+  DTensor continues from ``Replicate`` (for ``Shard(e)``: a local split, no
+  more communication). Forward values are then right; gradients come back
+  through the fallback's backward (see ``fallback_fix``), in the input's own
+  layout.
+* No, and anything else (sizes unknown, one dim sharded over several mesh
+  dims): ``MissingShardPatch`` naming the op's layout, instead of wrong numbers.
 
 Refused (``MissingShardPatch``): every move of an uneven (non-``torch.chunk``) shard
-other than ``Shard(d) -> Replicate`` with known per-rank sizes (``Shard -> Shard``,
-a spec without sharding shapes, one dim sharded over several mesh dims): DTensor
-would compute wrong values from it without an error.
+without known per-rank sizes (a spec without sharding shapes) or of a dim sharded
+over several mesh dims: DTensor would compute wrong values from it without an error.
 
 Examples:
     A sort along a dim split 5 + 2 (``torch.chunk`` would say 4 + 3), on 2 ranks:
@@ -86,7 +88,27 @@ def chunk_mismatches(local: torch.Tensor, current: DTensorSpec, target: DTensorS
     if not moved:
         return []
     expected, _ = compute_local_shape_and_global_offset(current.shape, current.mesh, current.placements)
-    return [(m, d, expected[d]) for m, d in moved if local.shape[d] != expected[d]]
+    shapes = current.sharding_shapes() if isinstance(current, ShardTensorSpec) else None
+    return [(m, d, expected[d]) for m, d in moved if _not_chunked(m, d, local, expected, current, shapes)]
+
+
+def _chunk_sizes(total: int, parts: int) -> list[int]:
+    """The rows ``torch.chunk`` (and so DTensor's ``Shard``) gives each of ``parts`` coordinates."""
+    step = -(-total // parts) if total else 0
+    return [max(0, min(step, total - i * step)) for i in range(parts)]
+
+
+def _not_chunked(
+    mesh_dim: int, dim: int, local: torch.Tensor, expected: Sequence[int], current: DTensorSpec, shapes: Any
+) -> bool:
+    # Decided from every rank's rows where the spec records them: a rank whose own block
+    # happens to be chunk-sized (64 of 65/64/64/63) must take the same path as the others,
+    # or the ranks issue different collectives and hang.
+    nested = sum(isinstance(p, Shard) and p.dim == dim for p in current.placements) > 1
+    if shapes and mesh_dim in shapes and not nested:
+        sizes = [shape[dim] for shape in shapes[mesh_dim]]
+        return sizes != _chunk_sizes(current.shape[dim], len(sizes))
+    return bool(local.shape[dim] != expected[dim])
 
 
 def _gather_rows(local: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -105,7 +127,7 @@ def _describe(current: DTensorSpec, local: torch.Tensor) -> str:
 
 
 def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Wrap DTensor's ``redistribute_local_tensor``: gather uneven ``Shard -> Replicate`` moves right, refuse others.
+    """Wrap DTensor's ``redistribute_local_tensor``: gather uneven shards with their true sizes, or refuse.
 
     Examples:
         >>> guarded = guarded_redistribute(dtensor_redistribute.redistribute_local_tensor)
@@ -128,7 +150,7 @@ def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[...,
         for mesh_dim, dim, expected in mismatches:
             shapes = current_spec.sharding_shapes() if isinstance(current_spec, ShardTensorSpec) else None
             nested = sum(isinstance(p, Shard) and p.dim == dim for p in placements) > 1
-            if not (isinstance(target_spec.placements[mesh_dim], Replicate) and shapes and not nested):
+            if not (isinstance(target_spec.placements[mesh_dim], (Replicate, Shard)) and shapes and not nested):
                 raise MissingShardPatch(
                     f"DTensor fallback: moving a shard from {current_spec.placements[mesh_dim]} to "
                     f"{target_spec.placements[mesh_dim]} on mesh dim {mesh_dim} with {local_tensor.shape[dim]} local "
@@ -161,5 +183,5 @@ def shardext_declare_patches(patches: PatchSet) -> None:
             "redistribute_local_tensor",
             guarded_redistribute(owner.redistribute_local_tensor),
             reason="DTensor redistributes uneven (non-torch.chunk) shards from the fallback into wrong values: "
-            "gather Shard->Replicate moves with the true sizes, refuse other moves",
+            "gather them with the true sizes (Shard->Replicate, Shard->Shard), refuse moves whose sizes are unknown",
         )

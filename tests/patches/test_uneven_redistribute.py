@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -83,3 +84,53 @@ def test_chunk_mismatches_and_refusal_without_recorded_sizes(domain_mesh, rank):
     dt = DTensor.from_local(local, domain_mesh, [Shard(0)], run_check=False, shape=torch.Size([7]), stride=(1,))
     with pytest.raises(MissingShardPatch, match=r"5 local rows where DTensor expects torch.chunk's 4|2 local rows"):
         dt.redistribute(domain_mesh, [Replicate()])
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize(("rows", "split"), [(10, [3, 3, 2, 2]), (258, [65, 65, 64, 64])], ids=["small", "large"])
+def test_every_rank_takes_the_same_path_when_some_blocks_are_chunk_sized(domain_mesh, rows, split):
+    # torch.chunk gives 3/3/3/1 and 65/65/65/63: ranks 0 and 1 hold chunk-sized blocks, 2 and 3 do not.
+    # Decided per block, the first two ran DTensor's own redistribution and the others the guard's
+    # gather or refusal: different collectives, and 4 ranks hung. Decided from the recorded sizes,
+    # every rank gathers (right values) or every rank refuses.
+    full = torch.randn(1, 3, rows, 5)
+    x = shard_tensor(full, domain_mesh, [Shard(2)], split)
+    try:
+        sorted_values = torch.sort(x, dim=2).values.full_tensor()
+    except MissingShardPatch as error:
+        assert "torch.chunk" in str(error)
+        outcome = "refused"
+    else:
+        torch.testing.assert_close(sorted_values, torch.sort(full, dim=2).values)
+        outcome = "gathered"
+    outcomes: list[str | None] = [None] * 4
+    dist.all_gather_object(outcomes, outcome)
+    assert len(set(outcomes)) == 1, outcomes
+
+
+def test_chunk_sizes_are_torch_chunks():
+    from physicsnemo_shardext.patches.uneven_redistribute import _chunk_sizes
+
+    for total in (0, 1, 7, 10, 258):
+        for parts in (1, 2, 3, 4):
+            assert _chunk_sizes(total, parts) == [len(c) for c in torch.arange(total).chunk(parts)] + [0] * (
+                parts - len(torch.arange(total).chunk(parts))), (total, parts)
+
+
+def _sort_moved_to_another_dim(mesh, split: list[int]) -> None:
+    # At 1x16x256x256 DTensor's strategy for sort moves the shard from H to C (an all-to-all)
+    # instead of gathering H. With uneven sizes that move was refused; the guard now gathers H
+    # with the true sizes and lets DTensor split C locally: values and gradients as one process.
+    x = torch.randn(1, 16, 256, 256)
+    check_conformance(lambda t: torch.sort(t, dim=2).values, [x], ShardSpec(mesh, [Shard(2)], split),
+                      expected_placements=None)
+
+
+@pytest.mark.multirank(2)
+def test_a_shard_moved_to_another_dim_is_gathered_then_split(domain_mesh):
+    _sort_moved_to_another_dim(domain_mesh, [129, 127])
+
+
+@pytest.mark.multirank(4)
+def test_a_shard_moved_to_another_dim_on_four_ranks(domain_mesh):
+    _sort_moved_to_another_dim(domain_mesh, [65, 64, 64, 63])
