@@ -85,6 +85,7 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    meta_output_shape,
     normalize_dim,
     require_shard_input,
     sharded_dims,
@@ -217,19 +218,13 @@ def _spacing_per_dim(func: Callable[..., Any], spacing: Any, dims: Sequence[int]
 
 
 def _validate_gradient(x: ShardTensor, spacing: Any, dim: Any, edge_order: int) -> None:
-    """Raise what torch would raise, on every rank and before any communication."""
-
-    def to_meta(s: Any) -> Any:
-        if isinstance(s, (list, tuple)):
-            return type(s)(to_meta(v) for v in s)
-        return s.detach().to("meta") if isinstance(s, torch.Tensor) else s
-
+    """Raise what torch would raise, on every rank and before any communication (cached per configuration)."""
     kwargs: dict[str, Any] = {"edge_order": edge_order}
     if spacing is not None:
-        kwargs["spacing"] = to_meta(spacing)
+        kwargs["spacing"] = spacing
     if dim is not None:
         kwargs["dim"] = dim
-    torch.gradient(torch.empty(x.shape, dtype=x.dtype, device="meta"), **kwargs)
+    meta_output_shape(torch.gradient, (x,), kwargs)
 
 
 @eager_handler
@@ -340,12 +335,8 @@ def _extra_rows(
 
 
 def _validate_diff(x: ShardTensor, n: int, dim: int, prepend: Any, append: Any) -> None:
-    """Raise what torch would raise, on every rank and before any communication."""
-
-    def meta(t: Any) -> Any:
-        return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-    torch.diff(meta(x), n=n, dim=dim, prepend=meta(prepend), append=meta(append))
+    """Raise what torch would raise, on every rank and before any communication (cached per configuration)."""
+    meta_output_shape(torch.diff, (x,), {"n": n, "dim": dim, "prepend": prepend, "append": append})
 
 
 @eager_handler
