@@ -93,9 +93,13 @@ def chunk_mismatches(local: torch.Tensor, current: DTensorSpec, target: DTensorS
 
 
 def _chunk_sizes(total: int, parts: int) -> list[int]:
-    """The rows ``torch.chunk`` (and so DTensor's ``Shard``) gives each of ``parts`` coordinates."""
-    step = -(-total // parts) if total else 0
-    return [max(0, min(step, total - i * step)) for i in range(parts)]
+    """The rows DTensor's ``Shard`` (``torch.chunk``'s split) gives each of ``parts`` coordinates."""
+    return [int(Shard.local_shard_size_and_offset(total, parts, c)[0]) for c in range(parts)]
+
+
+def _nested(placements: Sequence[Any], dim: int) -> bool:
+    """Whether tensor dim ``dim`` is sharded over several mesh dims (its recorded sizes are per mesh dim)."""
+    return sum(isinstance(p, Shard) and p.dim == dim for p in placements) > 1
 
 
 def _not_chunked(
@@ -104,8 +108,7 @@ def _not_chunked(
     # Decided from every rank's rows where the spec records them: a rank whose own block
     # happens to be chunk-sized (64 of 65/64/64/63) must take the same path as the others,
     # or the ranks issue different collectives and hang.
-    nested = sum(isinstance(p, Shard) and p.dim == dim for p in current.placements) > 1
-    if shapes and mesh_dim in shapes and not nested:
+    if shapes and mesh_dim in shapes and not _nested(current.placements, dim):
         sizes = [shape[dim] for shape in shapes[mesh_dim]]
         return sizes != _chunk_sizes(current.shape[dim], len(sizes))
     return bool(local.shape[dim] != expected[dim])
@@ -147,10 +150,10 @@ def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[...,
         if not mismatches:
             return original(local_tensor, current_spec, target_spec, *args, **kwargs)
         placements = list(current_spec.placements)
+        shapes = current_spec.sharding_shapes() if isinstance(current_spec, ShardTensorSpec) else None
         for mesh_dim, dim, expected in mismatches:
-            shapes = current_spec.sharding_shapes() if isinstance(current_spec, ShardTensorSpec) else None
-            nested = sum(isinstance(p, Shard) and p.dim == dim for p in placements) > 1
-            if not (isinstance(target_spec.placements[mesh_dim], (Replicate, Shard)) and shapes and not nested):
+            gatherable = shapes and not _nested(current_spec.placements, dim)
+            if not (isinstance(target_spec.placements[mesh_dim], (Replicate, Shard)) and gatherable):
                 raise MissingShardPatch(
                     f"DTensor fallback: moving a shard from {current_spec.placements[mesh_dim]} to "
                     f"{target_spec.placements[mesh_dim]} on mesh dim {mesh_dim} with {local_tensor.shape[dim]} local "
