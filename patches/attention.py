@@ -306,11 +306,23 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.shape[-1] == k.shape[-1] == v.shape[-1]
 
 
+def _dense(*tensors: torch.Tensor | None) -> list[Any]:
+    """The tensors made contiguous (chunk-sized copies where they are not).
+
+    Why: torch's fused CPU kernels read their operands as if the last dim had unit stride;
+    a transposed view (tokens made by ``x.flatten(2).transpose(1, 2)``) gave outputs of
+    1e35 (torch 2.14). ``F.scaled_dot_product_attention`` checks strides before choosing
+    that kernel; the ring calls it directly, so it must check too.
+    """
+    return [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
+
+
 def _attend_chunk(
     qc: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, bias: torch.Tensor | None, scale: float, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of query chunk ``qc`` over one K/V chunk: the output and its log-sum-exp (``-inf``: no key)."""
     if fused:
+        qc, kx, vx, bias = _dense(qc, kx, vx, bias)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qc, kx, vx, attn_mask=bias, scale=scale)
         if bias is not None:  # the kernel reports 0 for a fully masked row (and a zero output)
             lse = lse.masked_fill((bias == _NEG_INF).all(-1), _NEG_INF)
@@ -347,6 +359,7 @@ def _chunk_grads(
     ``lse`` is ``+inf`` on a row that attends nothing (its probabilities are 0).
     """
     if fused:
+        dout, qc, kx, vx, out, lse, bias = _dense(dout, qc, kx, vx, out, lse, bias)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, qc, kx, vx, out, lse, 0.0, False, attn_mask=bias, scale=scale
         )
@@ -1333,7 +1346,7 @@ def _fused_on_local_blocks(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     if not handled:
         return None
     local_kwargs = {**kwargs, "attn_mask": local_mask} if "attn_mask" in kwargs else kwargs
-    results = func(*(local_of(t) for t in tensors), *rest, **local_kwargs)
+    results = func(*_dense(*(local_of(t) for t in tensors)), *rest, **local_kwargs)
     placements = query._spec.placements
     return tuple(build_shard_tensor(r, layout.mesh, placements, {dim: layout.sizes}) for r in results)
 

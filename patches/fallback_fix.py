@@ -100,7 +100,7 @@ from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import is_tensor_like
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from physicsnemo_shardext import (
     AttributeTarget,
@@ -118,6 +118,7 @@ __all__ = [
     "backward_in_shard_space",
     "fallback_backward_is_defective",
     "fallback_without_partial_avg",
+    "settle_replicated_operands",
     "fixed_backward",
     "grad_in_input_layout",
     "refuse_partial_avg",
@@ -464,7 +465,62 @@ def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | Non
         torch.nn.functional.mse_loss: the DTensor fallback returns a Partial(avg) result here
     """
     original = original_attribute(_FALLBACK)
+    args, kwargs = settle_replicated_operands(args, kwargs)
     return refuse_partial_avg(func, args, kwargs, original(func, args, kwargs))
+
+
+class _SettledGrad(torch.autograd.Function):
+    """Identity on a replicated DTensor; its gradient, a pending ``Partial`` sum, comes back summed."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor) -> DTensor:  # type: ignore[override]
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+        return grad
+
+
+def _needs_settling(value: Any) -> bool:
+    return (
+        isinstance(value, DTensor) and not isinstance(value, ShardTensor) and value.requires_grad
+        and all(isinstance(p, Replicate) for p in value.placements)
+    )
+
+
+def settle_replicated_operands(args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
+    """Replicated DTensor operands (parameters and what is computed from them) whose gradient must stay whole.
+
+    Next to a sharded ShardTensor, DTensor's backward gives a replicated operand a
+    ``Partial`` gradient (each rank's share of a sum over its rows). Left so, a
+    ``Replicate`` parameter ends with a pending-sum gradient: SongUNet's
+    ``x.add_(self.affine(emb)[..., None, None])`` gave every ``affine`` weight a
+    ``Partial(sum)`` gradient that an optimizer or gradient clipping reads as local
+    values. Each such operand passes through an identity whose backward sums that
+    gradient (one all-reduce of the operand's size), as the first-party handlers'
+    ``sum_grad_over`` does. Nothing changes without a sharded ShardTensor operand or
+    with grad mode off.
+
+    Examples:
+        >>> from torch.distributed.tensor import Replicate, distribute_tensor
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.ones(1, 2, 9, 3), mesh, [Shard(2)], [5, 4])
+        >>> bias = distribute_tensor(torch.zeros(1, 2, 1, 1), mesh, [Replicate()]).requires_grad_()
+        >>> y = fallback_without_partial_avg(torch.Tensor.add_, (x.clone(), bias), {})
+        >>> y.sum().backward()
+        >>> bias.grad.placements, bias.grad.to_local().flatten().tolist()
+        ((Replicate(),), [27.0, 27.0])
+    """
+    if not torch.is_grad_enabled():
+        return args, kwargs
+    leaves = tree_leaves((args, kwargs))
+    if not any(isinstance(v, ShardTensor) and any(isinstance(p, Shard) for p in v._spec.placements) for v in leaves):
+        return args, kwargs
+    if not any(_needs_settling(v) for v in leaves):
+        return args, kwargs
+    return tree_map(lambda v: _SettledGrad.apply(v) if _needs_settling(v) else v, (args, kwargs))
 
 
 # -- metadata reads -----------------------------------------------------------------------

@@ -14,7 +14,14 @@ function. The output is then replicated over those mesh dims.
 Binary ``sub``/``mul``/``div`` (and their operators) of a sharded ShardTensor and a
 replicated operand (a ``Replicate`` target, a promoted weight) run on the local rows,
 the replicated operand cut to them: the DTensor fallback raises a shape error there
-on any split other than ``torch.chunk``'s.
+on any split other than ``torch.chunk``'s. So do ``addcmul``, ``addcdiv``, ``lerp``,
+``maximum``, ``minimum`` and ``where`` of operands sharded alike and replicated ones
+(SongUNet's ``torch.addcmul(shift, x, scale + 1)`` adaptive scale): the fallback
+leaves a replicated parameter's gradient as a pending ``Partial`` sum (``where``
+with a broadcast operand raises a shape error); here it comes back summed, as for
+``sub``/``mul``/``div``. Comparisons (``gt``, ``ge``, ``lt``, ``le``, ``eq``, ``ne``
+and their operators) run on the local block with scalars too: the fallback infers a
+boolean result's split as ``torch.chunk``'s and raises a shape error on other splits.
 
 ``F.prelu`` is elementwise too, with a replicated weight: each rank applies it to
 its own block, and the weight's gradient, a partial sum over the shards, is summed
@@ -85,6 +92,8 @@ from physicsnemo_shardext.primitives import (
 
 __all__ = [
     "BINARY_WITH_REPLICATED",
+    "COMPARISONS",
+    "ELEMENTWISE_WITH_REPLICATED",
     "INPLACE_DELEGATED",
     "POINTWISE_ACTIVATIONS",
     "binary_with_replicated",
@@ -205,6 +214,21 @@ BINARY_WITH_REPLICATED: tuple[Callable[..., Any], ...] = (
     torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
 )
 
+#: Comparisons: on a sharded tensor and a scalar the DTensor fallback infers the boolean result's
+#: split as torch.chunk's and raises a shape error on any other split (``x > 0`` on rows 5/3).
+COMPARISONS: tuple[Callable[..., Any], ...] = tuple(
+    op
+    for name in ("gt", "ge", "lt", "le", "eq", "ne")
+    for op in (getattr(torch, name), getattr(torch.Tensor, name), getattr(torch.Tensor, f"__{name}__"))
+)
+
+#: Elementwise ops of several operands (sharded alike, or replicated) that run on local blocks the same way.
+ELEMENTWISE_WITH_REPLICATED: tuple[Callable[..., Any], ...] = (
+    torch.addcmul, torch.Tensor.addcmul, torch.addcdiv, torch.Tensor.addcdiv,
+    torch.lerp, torch.Tensor.lerp, torch.maximum, torch.Tensor.maximum, torch.minimum, torch.Tensor.minimum,
+    torch.where, torch.Tensor.where,
+)
+
 
 @eager_handler
 def binary_with_replicated(
@@ -230,7 +254,20 @@ def binary_with_replicated(
         ((Shard(dim=2),), True)
     """
     result = elementwise_with_replicated(func, args, kwargs)
+    if result is None and func in COMPARISONS:
+        result = _with_scalars(func, args, kwargs)
     return delegate(func, types, args, kwargs) if result is None else result
+
+
+def _with_scalars(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func`` of one sharded ShardTensor and scalars on the local block, or ``None`` (another case)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if len(tensors) != 1 or not isinstance(tensors[0], ShardTensor) or is_partial(tensors[0]):
+        return None
+    (tensor,) = tensors
+    local_args = [local_of(a) if a is tensor else a for a in args]
+    spec = tensor._spec
+    return wrap_local(func(*local_args, **kwargs), spec.mesh, spec.placements, spec.sharding_shapes())
 
 
 #: The handler of every target this family declares, with its description.
@@ -244,6 +281,11 @@ _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
         op: (binary_with_replicated, f"{describe_target(op)} of a shard and a replicated operand on local rows")
         for op in BINARY_WITH_REPLICATED
     },
+    **{
+        op: (binary_with_replicated, f"{describe_target(op)} of operands sharded alike and replicated ones on local rows")
+        for op in ELEMENTWISE_WITH_REPLICATED
+    },
+    **{op: (binary_with_replicated, f"{describe_target(op)} on local blocks (with scalars too)") for op in COMPARISONS},
 }
 
 

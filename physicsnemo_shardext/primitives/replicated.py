@@ -111,15 +111,20 @@ def replicated_part(value: Any, like: ShardTensor, what: str = "replicated opera
 
 
 def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardTensor | None:
-    """``func(a, b)`` of a sharded ShardTensor and a replicated tensor on this rank's rows, or ``None``.
+    """``func(a, b, ...)`` of sharded ShardTensors and replicated tensors on this rank's rows, or ``None``.
 
-    The replicated operand (a ``Replicate`` ShardTensor such as a target, a promoted
+    The sharded operands must be split alike (same mesh, placements, global shape and
+    local sizes: ``torch.where(x > 0, x, bias)``, ``torch.addcmul(shift, x, scale)``).
+    A replicated operand (a ``Replicate`` ShardTensor such as a target, a promoted
     DTensor, a plain tensor, or a DTensor parameter sharded evenly on the same mesh,
-    which is gathered first) is cut to the sharded operand's own rows with
-    `replicated_part` (its gradient summed over the shards) and ``func`` runs on the
-    local blocks: no communication, any split. ``None`` where this does not apply, for the
-    caller to delegate: not exactly two tensor operands, keyword arguments, a ``Partial``
-    operand, or a result larger than the sharded operand (broadcasting that enlarges it).
+    which is gathered first) is cut to the sharded operands' own rows with
+    `replicated_part` (its gradient summed over the shards, so a parameter's gradient
+    comes back ``Replicate``, not a pending ``Partial`` sum) and ``func`` runs on the
+    local blocks: no communication, any split. Scalars and non-tensor keyword
+    arguments pass through. ``None`` where this does not apply, for the caller to
+    delegate: fewer than two tensor operands, a tensor keyword argument, a ``Partial``
+    operand, sharded operands split differently, or a result larger than the sharded
+    operands (broadcasting that enlarges them).
 
     Examples:
         On 2 ranks, a prediction split 3/2 minus a replicated target:
@@ -133,33 +138,56 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
         ((Shard(dim=0),), True)
         >>> elementwise_with_replicated(torch.sub, (x, 1.0), {}) is None    # a scalar: not this case
         True
+        >>> shift = torch.full((2,), 0.5)
+        >>> z = elementwise_with_replicated(torch.addcmul, (shift, x, torch.tensor([1.0, 2.0])), {})
+        >>> torch.equal(z.full_tensor(), torch.addcmul(shift, full, torch.tensor([1.0, 2.0])))
+        True
     """
-    if len(args) != 2 or kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+    if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
         return None
-    a, b = args
-    sharded_first = isinstance(a, ShardTensor) and not is_replicated(a)
-    shard, other = (a, b) if sharded_first else (b, a)
-    if not isinstance(shard, ShardTensor) or is_replicated(shard) or is_partial(shard) or is_partial(other):
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if len(positions) < 2:
         return None
-    if isinstance(other, (ShardTensor, DTensor)) and other.device_mesh != shard._spec.mesh:
+    shards = [i for i in positions if isinstance(args[i], ShardTensor) and not is_replicated(args[i])]
+    if not shards or any(is_partial(args[i]) for i in positions):
         return None
-    if isinstance(other, DTensor) and not isinstance(other, ShardTensor) and not is_replicated(other):
-        # A spatial parameter sharded evenly (FSDP2's pos_embed as a DTensor) against an
-        # activation split another way: gathered whole (parameter-sized), then cut to the
-        # shard's rows. Its gradient, summed to a whole replicated one below, goes back to
-        # each rank's chunk through the redistribute's own backward.
-        other = other.redistribute(other.device_mesh, [Replicate()] * other.device_mesh.ndim)
-    if isinstance(other, ShardTensor) and not is_replicated(other):
-        return None
+    shard: ShardTensor = args[shards[0]]
+    mesh, placements = shard._spec.mesh, tuple(shard._spec.placements)
+    for i in shards[1:]:
+        other = args[i]
+        if (other._spec.mesh, tuple(other._spec.placements), other.shape) != (mesh, placements, shard.shape):
+            return None
+        if other._spec.sharding_shapes() != shard._spec.sharding_shapes():
+            return None
+    local_args = list(args)
+    for i in positions:
+        if i in shards:
+            local_args[i] = local_of(args[i])
+            continue
+        other = args[i]
+        if isinstance(other, (ShardTensor, DTensor)) and other.device_mesh != mesh:
+            return None
+        if isinstance(other, DTensor) and not isinstance(other, ShardTensor) and not is_replicated(other):
+            # A spatial parameter sharded evenly (FSDP2's pos_embed as a DTensor) against an
+            # activation split another way: gathered whole (parameter-sized), then cut to the
+            # shard's rows. Its gradient, summed to a whole replicated one below, goes back to
+            # each rank's chunk through the redistribute's own backward.
+            other = other.redistribute(other.device_mesh, [Replicate()] * other.device_mesh.ndim)
+        if isinstance(other, ShardTensor) and not is_replicated(other):
+            return None
+        local_args[i] = other
     try:
-        if tuple(torch.broadcast_shapes(shard.shape, other.shape)) != tuple(shard.shape):
+        if tuple(torch.broadcast_shapes(*(args[i].shape for i in positions))) != tuple(shard.shape):
             return None
     except RuntimeError:
         return None
-    part = replicated_part(other, shard, f"{getattr(func, '__name__', func)}: replicated operand")
-    local = func(local_of(shard), part) if sharded_first else func(part, local_of(shard))
+    what = f"{getattr(func, '__name__', func)}: replicated operand"
+    for i in positions:
+        if i not in shards:
+            local_args[i] = replicated_part(local_args[i], shard, what)
+    local = func(*local_args, **kwargs)
     sizes = {d: layout.sizes for d, layout in sharded_dims(shard).items()}
-    return build_shard_tensor(local, shard._spec.mesh, shard._spec.placements, sizes)
+    return build_shard_tensor(local, mesh, placements, sizes)
 
 
 def gather_full(x: ShardTensor) -> torch.Tensor:
