@@ -643,7 +643,11 @@ def _single(setup: Setup, device: torch.device) -> Reference:
 
 
 def _difference(what: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> tuple[float, str]:
-    """Max abs difference, and a note when it is beyond float32 round-off (1e-3 of the values' scale)."""
+    """Max abs difference, and a note when it is beyond round-off.
+
+    By the package's one comparison rule (`physicsnemo_shardext.comparison`): every element within
+    ``atol + rtol * |r|``, with ``rtol = 1e-3`` and ``atol = 1e-3`` of the values' scale (at least 1).
+    """
     if expected is None:
         return 0.0, ""
     if actual is None:
@@ -653,9 +657,11 @@ def _difference(what: str, actual: torch.Tensor | None, expected: torch.Tensor |
         return math.inf, f"{what} of shape {tuple(full.shape)}, not {tuple(expected.shape)}"
     if not full.numel():
         return 0.0, ""
-    error = (full - expected).abs().max().item()
+    from physicsnemo_shardext.comparison import Tolerance, compare
+
     scale = max(expected.abs().max().item(), 1.0)
-    return error, (f"{what} off by {error:.1e}" if error > 1e-3 * scale else "")
+    result = compare(full, expected, Tolerance(rtol=1e-3, atol=1e-3 * scale), check_dtype=False)
+    return result.max_abs_error, ("" if result.passed else f"{what} off: {result.describe()}")
 
 
 def _compare(run: _Run, out: torch.Tensor | None, reference: Reference, backward: bool) -> tuple[float, str]:

@@ -134,6 +134,7 @@ from physicsnemo_shardext.primitives import (
     is_replicated,
     is_tracing,
     local_of,
+    refuse_higher_order,
     replicated_local,
     sharded_dims,
     sum_grad_over,
@@ -460,6 +461,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        # Hand-written and not itself differentiable: a second-order gradient through it is refused.
+        refuse_higher_order("scaled_dot_product_attention (ring)", grad_out, *ctx.saved_tensors)
         q, k, v, mask, out, lse = ctx.saved_tensors
         plan: _RingPlan = ctx.plan
         layout, parts, coord, rep = plan.kv, plan.kv.parts, plan.kv.coord, plan.gqa_repeat

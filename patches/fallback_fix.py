@@ -88,6 +88,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
 import warnings
@@ -98,6 +99,10 @@ from typing import Any
 import torch
 from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel._shard_redistribute import ShardRedistribute
+from physicsnemo.domain_parallel.custom_ops import _reductions
+from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
+from physicsnemo.domain_parallel.shard_utils.view_ops import ShardedView
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import is_tensor_like
 from torch.utils._pytree import tree_leaves, tree_map
@@ -112,12 +117,22 @@ from physicsnemo_shardext import (
     original_attribute,
 )
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
+from physicsnemo_shardext.primitives import (
+    builds_graph,
+    has_internal_overlap,
+    materialized,
+    refuse_untracked_view_update,
+    sum_to_replicated,
+    wrap_gradient,
+)
 
 __all__ = [
+    "SECOND_ORDER_BACKWARDS",
     "backward_entry_status",
     "backward_in_shard_space",
     "fallback_backward_is_defective",
     "fallback_without_partial_avg",
+    "refusal_of_uneven_result",
     "settle_replicated_operands",
     "fixed_backward",
     "grad_in_input_layout",
@@ -188,12 +203,17 @@ def _slice_to_input_shards(local: torch.Tensor, spec: Any, placements: Sequence[
     return local
 
 
-def grad_in_input_layout(grad_output: DTensor, spec: Any) -> ShardTensor:
+def grad_in_input_layout(grad_output: DTensor, spec: Any, op: str | None = None) -> ShardTensor:
     """Bring a fallback gradient into the layout of the ShardTensor it is the gradient of.
+
+    Under ``create_graph=True`` the result stays in the graph where the layout is
+    already the input's; where it would need a redistribution, ``MissingShardPatch``
+    names ``op`` (a second-order gradient through it would be cut).
 
     Args:
         grad_output: the DTensor gradient DTensor's autograd produced for the input.
         spec: the input's cached ``ShardTensorSpec`` (placements and uneven sharding shapes).
+        op: the op the fallback ran, for the refusal's message.
 
     Returns:
         A ShardTensor with the input's placements (Partial kept where the input
@@ -202,10 +222,25 @@ def grad_in_input_layout(grad_output: DTensor, spec: Any) -> ShardTensor:
     target = _target_placements(spec.placements, grad_output.placements)
     grad_placements = tuple(grad_output.placements)
     local = grad_output._local_tensor
-    if grad_placements == target and tuple(local.shape) == tuple(spec.local_shape):
+    same_layout = grad_placements == target and tuple(local.shape) == tuple(spec.local_shape)
+    if builds_graph(grad_output):  # create_graph=True: the result must stay differentiable
+        if not same_layout:
+            raise MissingShardPatch(
+                f"{op or 'an op without a shard patch'} (DTensor fallback): second-order gradients "
+                f"(create_graph=True) through a fallback that changed the layout ({grad_placements} -> "
+                f"{target}) are not supported; give the op a shard patch or compute this term on plain tensors"
+            )
+        new_spec = dataclasses.replace(spec, placements=target, shard_order=None,
+                                       tensor_meta=grad_output._spec.tensor_meta)
+        return _shard_tensor_module._DTensorToShardTensor.apply(grad_output, new_spec)
+    if same_layout:
         # Already the input's layout (the op ran locally): adopt the grad's own stride, as
-        # PhysicsNeMo does, since grad memory may be laid out unlike the primal's.
+        # PhysicsNeMo does, since grad memory may be laid out unlike the primal's. An expanded
+        # grad (stride 0) is copied: it may become a leaf's .grad, added into in place later.
         local_grad, tensor_meta = local, grad_output._spec.tensor_meta
+        if has_internal_overlap(local):
+            local_grad = local.contiguous()
+            tensor_meta = tensor_meta._replace(stride=_contiguous_stride(tensor_meta.shape))
     else:
         # Replicate every mesh dim the input is sharded on (and resolve other mismatches), then slice.
         staged = tuple(
@@ -247,7 +282,7 @@ def fixed_backward(ctx: Any, grad_output: DTensor) -> tuple[ShardTensor]:
         >>> x.grad.placements, x.grad.to_local().shape[1] == [5, 2][rank]
         ((Shard(dim=1),), True)
     """
-    return (grad_in_input_layout(grad_output, ctx.shard_tensor_spec),)
+    return (grad_in_input_layout(grad_output, ctx.shard_tensor_spec, getattr(ctx, "shardext_op", None)),)
 
 
 # -- backward entry points ------------------------------------------------------------------
@@ -465,8 +500,86 @@ def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | Non
         torch.nn.functional.mse_loss: the DTensor fallback returns a Partial(avg) result here
     """
     original = original_attribute(_FALLBACK)
+    target = args[0] if args and _in_place(func) and isinstance(args[0], ShardTensor) else None
+    if target is not None:
+        refuse_untracked_view_update(func, target)
     args, kwargs = settle_replicated_operands(args, kwargs)
-    return refuse_partial_avg(func, args, kwargs, original(func, args, kwargs))
+    token = _FALLBACK_OP.set(describe_target(func))  # named by a second-order refusal in its backward
+    try:
+        result = original(func, args, kwargs)
+    except ValueError as error:
+        raise refusal_of_uneven_result(func, args, kwargs, error) or error
+    finally:
+        _FALLBACK_OP.reset(token)
+    if target is not None and result is not target and isinstance(result, ShardTensor) and torch.is_grad_enabled():
+        result = _UpdatedInPlace.apply(target, result)
+    return refuse_partial_avg(func, args, kwargs, result)
+
+
+class _UpdatedInPlace(torch.autograd.Function):
+    """``target`` (updated in place by the fallback) takes the history of ``result``, the fallback's new wrapper.
+
+    The fallback runs ``x.mul_(2)`` on a DTensor converted from ``x``: the values of
+    ``x`` change (shared storage) and the returned wrapper has the right history, but
+    ``x`` itself kept its old one, so ``x.mul_(2); loss = x.sum()`` gave ``x``'s inputs
+    the gradient of the old value (silently wrong; ``y = x.mul_(2)`` was right).
+    ``mark_dirty`` rebases ``x`` on this node, whose backward hands the gradient to the
+    new value, as torch's own in-place ops do. Returns ``target``, as an in-place op does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, target: ShardTensor, result: ShardTensor) -> ShardTensor:  # type: ignore[override]
+        held, new = target._local_tensor, result._local_tensor
+        if held.data_ptr() != new.data_ptr() or held.shape != new.shape:
+            held.copy_(new)
+        ctx.mark_dirty(target)
+        return target
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[None, Any]:  # type: ignore[override]
+        return None, grad
+
+
+def _in_place(func: Callable) -> bool:
+    """``x.mul_(...)``, ``x += ...``: a method that updates its first argument."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name != "__init__")
+
+
+#: What PhysicsNeMo's spec inference says when a fallback result's local blocks are not
+#: ``torch.chunk``'s (``_infer_shard_tensor_spec_from_local_chunks``, PhysicsNeMo 2.2).
+_UNEVEN_RESULT = "expected local shape"
+
+
+def refusal_of_uneven_result(
+    func: Callable, args: tuple, kwargs: dict | None, error: ValueError
+) -> MissingShardPatch | None:
+    """The ``MissingShardPatch`` naming ``func`` for the fallback's failure on an uneven split, else ``None``.
+
+    The DTensor fallback sizes a result's blocks as ``torch.chunk``'s; on any other split
+    PhysicsNeMo's spec inference stops with "Rank 0 expected local shape (2, 4, 3) does
+    not match tensor's local shape (2, 5, 3)", which names neither the op nor a way out
+    (``Tensor.rot90``, ``Tensor.type``... on rows 5/3). It is raised on every rank alike,
+    after the same collectives, so every rank raises this refusal instead.
+
+    Examples:
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.arange(16.0).reshape(2, 8), mesh, [Shard(1)], [5, 3])
+        >>> why = refusal_of_uneven_result(torch.rot90, (x,), {}, ValueError("Rank 0 expected local shape (2, 4)"))
+        >>> str(why).split(";")[0]
+        'torch.rot90: the DTensor fallback sizes its result as even chunks and fails on this split (inputs (Shard(dim=1),) rows {1: [5, 3]})'
+    """
+    if _UNEVEN_RESULT not in str(error):
+        return None
+    inputs = [t for t in _shard_tensors((args, kwargs)) if any(isinstance(p, Shard) for p in t._spec.placements)]
+    layouts = ", ".join(f"{tuple(t._spec.placements)} rows {_row_summary(t)}" for t in inputs)
+    refusal = MissingShardPatch(
+        f"{describe_target(func)}: the DTensor fallback sizes its result as even chunks and fails on this split "
+        f"(inputs {layouts}); give the op a shard patch, or split the tensor as torch.chunk does "
+        f"(PhysicsNeMo: {error})"
+    )
+    refusal.__cause__ = error
+    return refusal
 
 
 class _SettledGrad(torch.autograd.Function):
@@ -553,6 +666,147 @@ def metadata_passthrough_applies() -> bool:
     return isinstance(held, frozenset) and not METADATA_GETTERS <= held
 
 
+# -- second-order gradients ------------------------------------------------------------------
+# PhysicsNeMo 2.2's autograd bridges build the gradient they return as a new wrapper around a raw
+# local tensor (``ShardTensor(grad, spec)``, ``_dtensor_to_shard_tensor``, ``grad._local_tensor``).
+# Under ``create_graph=True`` that cuts the graph: the gradient of a ShardTensor input came back as
+# a leaf (or not requiring grad at all), and a penalty on it trained without its second-order terms.
+# Each replacement below keeps the graph when one is being built (`builds_graph`) and otherwise
+# delegates to PhysicsNeMo's own backward; the first-order path is unchanged except that an expanded
+# (stride-0) local gradient is copied before it is wrapped (the next backward adds into it in place).
+
+#: The fallback op being run, recorded on the conversion's autograd context for a refusal's message.
+_FALLBACK_OP: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardext_fallback_op", default=None)
+
+
+def _original(owner: Any, name: str) -> Callable[..., Any]:
+    held = original_attribute(AttributeTarget(owner, name))
+    return held.__func__ if isinstance(held, staticmethod) else held
+
+
+def setup_context_naming_op(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """``_ShardTensorToDTensor.setup_context``, also recording which fallback op converted the input."""
+    _original(_OWNER, "setup_context")(ctx, inputs, output)
+    ctx.shardext_op = _FALLBACK_OP.get()
+
+
+def _rewrapped(grad: Any) -> Any:
+    """``grad`` with an expanded local block copied (no-op otherwise)."""
+    if isinstance(grad, ShardTensor) and has_internal_overlap(grad._local_tensor):
+        return ShardTensor(materialized(grad._local_tensor), grad._spec, requires_grad=grad.requires_grad)
+    return grad
+
+
+def to_local_backward(ctx: Any, grad_output: torch.Tensor) -> tuple[ShardTensor, None]:
+    """``_ToTorchTensor.backward`` (``to_local``'s): PhysicsNeMo's gradient spec, the wrap kept in the graph.
+
+    Examples:
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.ones(7, 2), mesh, [Shard(0)], [5, 2], requires_grad=True)
+        >>> (g,) = torch.autograd.grad((x.to_local() ** 3).sum(), x, create_graph=True)
+        >>> g.requires_grad, g.grad_fn is not None       # 3 x**2, still differentiable
+        (True, True)
+    """
+    grad, none = _original(_shard_tensor_module._ToTorchTensor, "backward")(ctx, grad_output.detach())
+    if builds_graph(grad_output):
+        return wrap_gradient(grad_output, grad._spec), none
+    return _rewrapped(ShardTensor(grad_output, grad._spec, requires_grad=grad_output.requires_grad)), none
+
+
+def to_dtensor_backward(ctx: Any, grad_output: Any) -> tuple[Any, None]:
+    """``_DTensorToShardTensor.backward``: the ShardTensor gradient as a DTensor, through the differentiable bridge."""
+    if isinstance(grad_output, ShardTensor) and builds_graph(grad_output):
+        return _OWNER.apply(grad_output), None
+    return _original(_shard_tensor_module._DTensorToShardTensor, "backward")(ctx, grad_output)
+
+
+class _ExactRedistribute(torch.autograd.Function):
+    """A ShardTensor moved to ``spec``'s placements *and* uneven shard shapes; backward: moved back.
+
+    What ``ShardRedistribute.backward`` computes, as a Function of its own so that a
+    second-order gradient differentiates it (the two moves are each other's adjoint).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: ShardTensor, spec: Any) -> ShardTensor:  # type: ignore[override]
+        ctx.source_spec = x._spec
+        return _redistribute_to(x, spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+        if builds_graph(grad):
+            return _ExactRedistribute.apply(grad, ctx.source_spec), None
+        return _redistribute_to(grad, ctx.source_spec), None
+
+
+def _redistribute_to(x: ShardTensor, spec: Any) -> ShardTensor:
+    stub = SimpleNamespace(current_spec=spec, async_op=False)
+    return _original(ShardRedistribute, "backward")(stub, x)[0]
+
+
+def redistribute_backward(ctx: Any, grad_output: Any) -> tuple[Any, None, None, None]:
+    """``ShardRedistribute.backward`` (``redistribute``'s), differentiable under ``create_graph=True``."""
+    if isinstance(grad_output, ShardTensor) and builds_graph(grad_output):
+        return _ExactRedistribute.apply(grad_output, ctx.current_spec), None, None, None
+    return _original(ShardRedistribute, "backward")(ctx, grad_output)
+
+
+def _reduction_backward(owner: type) -> Callable[..., Any]:
+    """``owner.backward`` (PhysicsNeMo's sharded sum or mean): its own arithmetic, on a local block kept in the graph."""
+
+    def backward(ctx: Any, grad_output: Any) -> tuple[Any, ...]:
+        original = _original(owner, "backward")
+        if not (isinstance(grad_output, ShardTensor) and builds_graph(grad_output)):
+            grad, *rest = original(ctx, grad_output)
+            return (_rewrapped(grad), *rest)  # its broadcast gradient is an expanded view
+        resolved = _reductions.resolve_partial_cotangent(grad_output)
+        # PhysicsNeMo's backward reads ``_local_tensor``: hand it a wrapper whose block is in the graph.
+        # Each rank spreads the replicated cotangent over its own rows only, so the gradient of that
+        # block is this rank's part of a sum: Partial, not Replicate, on every replicated mesh dim.
+        partial = [Partial() if isinstance(p, Replicate) else p for p in resolved.placements]
+        proxy = ShardTensor(resolved.to_local(grad_placements=partial), resolved._spec, requires_grad=False)
+        grad, *rest = original(ctx, proxy)
+        return (wrap_gradient(grad._local_tensor, grad._spec), *rest)
+
+    backward.__name__ = backward.__qualname__ = f"{owner.__name__.lower()}_backward"
+    backward.__doc__ = f"``{owner.__name__}.backward``: kept in the graph under create_graph=True; no expanded grads."
+    return backward
+
+
+def grad_reducer_backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """``GradReducer.backward`` (a built-in conv's weight gradient, summed over the ranks), differentiable.
+
+    Its ``funcol.all_reduce`` has no autograd formula: under ``create_graph=True`` the
+    sum goes through `sum_to_replicated`, whose adjoint hands a penalty on the
+    (replicated) parameter gradient back to every rank's rows once.
+    """
+    if type(grad_output) is torch.Tensor and builds_graph(grad_output):
+        spec = ctx.ref_spec
+        dims = [d for d in range(spec.mesh.ndim) if spec.placements[d].is_shard()]
+        return sum_to_replicated(grad_output, spec.mesh, dims), None
+    return _original(GradReducer, "backward")(ctx, grad_output)
+
+
+def view_backward(ctx: Any, grad_output: Any) -> tuple[Any, None]:
+    """``ShardedView.backward`` (the built-in view/reshape of unsharded dims): the view back, as a ShardedView."""
+    if isinstance(grad_output, ShardTensor) and builds_graph(grad_output):
+        return ShardedView.apply(grad_output, ctx.input_global_shape), None
+    grad, none = _original(ShardedView, "backward")(ctx, grad_output)
+    return _rewrapped(grad), none
+
+
+#: (owner, attribute, replacement, why) of every backward replaced for second-order gradients.
+SECOND_ORDER_BACKWARDS: tuple[tuple[Any, str, Callable[..., Any], str], ...] = (
+    (_shard_tensor_module._ToTorchTensor, "backward", to_local_backward, "to_local"),
+    (_shard_tensor_module._DTensorToShardTensor, "backward", to_dtensor_backward, "the fallback's result bridge"),
+    (ShardRedistribute, "backward", redistribute_backward, "redistribute"),
+    (_reductions.ShardedSum, "backward", _reduction_backward(_reductions.ShardedSum), "sum"),
+    (_reductions.ShardedMean, "backward", _reduction_backward(_reductions.ShardedMean), "mean over unsharded dims"),
+    (GradReducer, "backward", grad_reducer_backward, "weight-gradient reduction (built-in conv)"),
+    (ShardedView, "backward", view_backward, "view/reshape"),
+)
+
+
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Replace the fallback backward where the probe finds the defect; handle the backward entry points."""
@@ -579,6 +833,16 @@ def shardext_declare_patches(patches: PatchSet) -> None:
         "round trip of about 25 us each; the ShardTensor wrapper holds the same global values: read them directly",
         applies=metadata_passthrough_applies,
     )
+    patches.replace_attribute(
+        _OWNER, "setup_context", staticmethod(setup_context_naming_op),
+        reason="record which fallback op converted the input, so a second-order refusal names it",
+    )
+    for owner, name, replacement, what in SECOND_ORDER_BACKWARDS:
+        patches.replace_attribute(
+            owner, name, staticmethod(replacement),
+            reason=f"PhysicsNeMo 2.2's {what} backward re-wraps a raw local gradient, cutting the graph under "
+            "create_graph=True (second-order gradients silently missing): keep it differentiable",
+        )
     for entry in BACKWARD_ENTRY_POINTS:
         why_not = backward_entry_status(entry)
         if why_not is not None:

@@ -12,8 +12,11 @@ op below works per sharded dim, so both cases take the same code):
   with no communication. A slice along a sharded dim keeps on each rank the
   selected rows it holds, so the result is unevenly sharded on the same dim
   (empty shards included: ``:m2`` of a dim split 5/4 is split ``m2``/0 for
-  ``m2 <= 5``). Other index forms (tensors, ``None``, bools, an int on a
-  sharded dim) go to the DTensor fallback, as before this plugin.
+  ``m2 <= 5``). ``None`` (a new axis) is inserted in the local block at the same
+  place; the sharded dims after it move up. Other index forms (tensors, bools,
+  an int on a sharded dim) go to the DTensor fallback, as before this plugin
+  (with ``None`` the fallback labelled the result by even chunking: a shape error
+  on uneven shards, found by ``tests/patches/test_layout_fuzz.py``).
 * ``torch.einsum`` with sharded operands and replicated ones (plain tensors,
   which ShardTensor promotes to ``Replicate``, or ``Replicate`` DTensor
   parameters from ``distribute_module``): a replicated operand that shares a
@@ -129,6 +132,7 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    refuse_untracked_view_update,
     replicated_local,
     sharded_dims,
     sum_grad_over,
@@ -186,18 +190,38 @@ def _local_slice(sl: slice, layout: DimLayout) -> tuple[slice, tuple[int, ...]]:
     return mine, tuple(counts)
 
 
+def _new_axes(index: Any, ndim: int) -> tuple[tuple[Any, ...], list[int]]:
+    """``index`` without its ``None`` entries, and how many ``None`` come before each input dim (and at the end)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    kept = tuple(item for item in items if item is not None)
+    fill = ndim - sum(1 for item in kept if item is not Ellipsis)
+    before, consumed = [0] * (ndim + 1), 0
+    for item in items:
+        if item is None:
+            before[min(consumed, ndim)] += 1
+        else:
+            consumed += fill if item is Ellipsis else 1
+    return kept, before
+
+
 def plan_index(x: ShardTensor, index: Any) -> IndexPlan:
-    """Plan ``x[index]`` for a basic index (slices, ints on unsharded dims, one ``...``).
+    """Plan ``x[index]`` for a basic index (slices, ints on unsharded dims, ``None``, one ``...``).
 
     Raises ``_Unsupported`` for other forms.
     """
     layouts = sharded_dims(x)
-    items = _expand_index(index, x.ndim)
+    kept, new_axes = _new_axes(index, x.ndim)
+    items = _expand_index(kept, x.ndim)
     local_index: list[Any] = []
     out_sizes: dict[int, tuple[int, ...]] = {}
     out_mesh_dims: dict[int, int] = {}
     out_dim = 0
-    for dim, item in enumerate(items):
+    for dim, item in enumerate(items + [None]):
+        # a new axis is a dim of one row in the output, on every rank
+        local_index += [None] * new_axes[dim]
+        out_dim += new_axes[dim]
+        if dim == x.ndim:
+            break
         layout = layouts.get(dim)
         if isinstance(item, int):
             if layout is not None:
@@ -268,6 +292,7 @@ def sharded_setitem(
         [0.0, 0.0, 4.0, 6.0, 8.0, 10.0, 12.0, 0.0, 0.0]
     """
     target, index, value = args[0], args[1], args[2]
+    refuse_untracked_view_update(func, target)
     if not isinstance(target, ShardTensor):
         if _promoted_plain(target) is None and _fallback_writes_into(target, value):
             return delegate(func, types, args, kwargs)

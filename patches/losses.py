@@ -583,14 +583,41 @@ _VARIANCE_OPS = {
 }
 
 
+class _MeanInDeviations(torch.autograd.Function):
+    """The global mean as the deviations read it: identity; its cotangent summed over the ranks.
+
+    A first-order backward skips it (that cotangent sums to zero over the whole tensor);
+    a second-order one (grad mode on in backward) needs it, summed from every rank's rows.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, mean: torch.Tensor, mesh: Any, mesh_dims: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
+        return mean.view_as(mean)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        if not torch.is_grad_enabled():
+            return None, None, None
+        # Each rank's rows gave a part of the mean's cotangent: their total is the replicated gradient.
+        return sum_to_replicated(grad, ctx.mesh, ctx.mesh_dims), None, None
+
+
+def _mean_in_deviations(mean: torch.Tensor, x: ShardTensor, reduced: set[int]) -> torch.Tensor:
+    layouts = sharded_dims(x)
+    mesh_dims = tuple(sorted(layouts[d].mesh_dim for d in reduced & set(layouts)))
+    return _MeanInDeviations.apply(mean, x._spec.mesh, mesh_dims)
+
+
 @eager_handler
 def sharded_variance(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``var`` / ``std`` / ``var_mean`` / ``std_mean`` over sharded dims: two all-reduces (mean, squared deviations).
 
-    The mean is taken as a constant in the deviations: its gradient through them sums to
-    zero over the whole tensor, and no rank could compute it from its own rows.
+    The mean's first-order gradient through the deviations sums to zero over the whole
+    tensor, so it is skipped (no rank could compute it from its own rows); under
+    ``create_graph=True`` it is summed over the ranks, which keeps the Hessian exact.
 
     Examples:
         Columns split 3/1 on 2 ranks; the std over them is ``Replicate`` over that mesh dim:
@@ -612,7 +639,7 @@ def sharded_variance(
     local = local_of(x)
     count = math.prod(x.shape[d] for d in reduced)
     mean = _global_sum(local, x, reduced) / count
-    deviation = local - mean.detach()
+    deviation = local - _mean_in_deviations(mean, x, reduced)
     squares = _global_sum((deviation * deviation.conj()).real if local.is_complex() else deviation * deviation,
                           x, reduced)
     variance = squares / max(count - correction, 0)

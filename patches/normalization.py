@@ -495,6 +495,20 @@ def instance_norm_handler(
     return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
 
 
+#: torch's forms of F.group_norm / F.layer_norm (their aliases): a trailing cuDNN flag F's forms lack.
+_CUDNN_FLAG: dict[Callable[..., Any], str] = {torch.group_norm: "cudnn_enabled", torch.layer_norm: "cudnn_enable"}
+
+
+def _functional_arguments(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` of a call of ``func`` as F's form takes them: the cuDNN flag of torch's form dropped."""
+    flag = _CUDNN_FLAG.get(func)
+    if flag is None:
+        return args, kwargs
+    return args[:5], {name: value for name, value in kwargs.items() if name != flag}
+
+
 # -- group norm -----------------------------------------------------------------------------
 @eager_handler
 def group_norm_handler(
@@ -502,7 +516,7 @@ def group_norm_handler(
 ) -> Any:
     """Group norm: per-sample per-group statistics over channels of the group and sharded spatial dims."""
     op = "group_norm"
-    a = bind_arguments(F.group_norm, args, kwargs)
+    a = bind_arguments(F.group_norm, *_functional_arguments(func, args, kwargs))
     x = a["input"]
     layouts = _channel_layouts(x, op, min_rank=2)
     groups_n, n_channels = a["num_groups"], x.shape[1]
@@ -547,7 +561,7 @@ def layer_norm_handler(
     func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Layer norm; statistics all-reduced only when a normalized dim is sharded."""
-    a = bind_arguments(F.layer_norm, args, kwargs)
+    a = bind_arguments(F.layer_norm, *_functional_arguments(func, args, kwargs))
     x, op = a["input"], "layer_norm"
     if is_partial(x):
         return delegate(func, types, args, kwargs)  # the fallback sums the terms first (checked on 2 ranks)

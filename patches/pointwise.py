@@ -22,6 +22,8 @@ with a broadcast operand raises a shape error); here it comes back summed, as fo
 ``sub``/``mul``/``div``. Comparisons (``gt``, ``ge``, ``lt``, ``le``, ``eq``, ``ne``
 and their operators) run on the local block with scalars too: the fallback infers a
 boolean result's split as ``torch.chunk``'s and raises a shape error on other splits.
+Dtype conversions (``x.type(torch.int64)``, ``x.float()``, ``x.long()``...) likewise
+run on the local block (`local_conversion`).
 
 ``F.prelu`` is elementwise too, with a replicated weight: each rank applies it to
 its own block, and the weight's gradient, a partial sum over the shards, is summed
@@ -93,10 +95,12 @@ from physicsnemo_shardext.primitives import (
 __all__ = [
     "BINARY_WITH_REPLICATED",
     "COMPARISONS",
+    "CONVERSIONS",
     "ELEMENTWISE_WITH_REPLICATED",
     "INPLACE_DELEGATED",
     "POINTWISE_ACTIVATIONS",
     "binary_with_replicated",
+    "local_conversion",
     "local_pointwise",
     "prelu_local",
 ]
@@ -270,6 +274,41 @@ def _with_scalars(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return wrap_local(func(*local_args, **kwargs), spec.mesh, spec.placements, spec.sharding_shapes())
 
 
+#: Dtype conversions: elementwise, so each rank converts its own block.
+CONVERSIONS: tuple[Callable[..., Any], ...] = (
+    torch.Tensor.type, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16,
+    torch.Tensor.long, torch.Tensor.int, torch.Tensor.bool,
+)
+
+
+@eager_handler
+def local_conversion(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``x.type(torch.int64)``, ``x.float()``... on the local block; the split is kept.
+
+    The DTensor fallback sizes the converted result as ``torch.chunk``'s blocks and fails on
+    other splits (DoMINO's ``mapping.type(torch.int64)`` on points 7/5). Delegated: ``type()``
+    without a dtype (it returns a string), a ``Partial`` input (rounding a pending sum is not
+    the sum of rounded terms), anything that is not a ShardTensor.
+
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.linspace(0, 4, 8).reshape(1, 8), mesh, [Shard(1)], [5, 3])
+        >>> y = local_conversion(torch.Tensor.type, (), (x, torch.int64), {})
+        >>> y.dtype, y.placements, torch.equal(y.full_tensor(), x.full_tensor().long())
+        (torch.int64, (Shard(dim=1),), True)
+    """
+    x, *rest = args
+    if not isinstance(x, ShardTensor) or is_partial(x):
+        return delegate(func, types, args, kwargs)
+    if func is torch.Tensor.type and not isinstance(kwargs.get("dtype", rest[0] if rest else None), torch.dtype):
+        return delegate(func, types, args, kwargs)
+    spec = x._spec
+    return wrap_local(func(local_of(x), *rest, **kwargs), spec.mesh, spec.placements, spec.sharding_shapes())
+
+
 #: The handler of every target this family declares, with its description.
 _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
     **{
@@ -286,6 +325,7 @@ _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
         for op in ELEMENTWISE_WITH_REPLICATED
     },
     **{op: (binary_with_replicated, f"{describe_target(op)} on local blocks (with scalars too)") for op in COMPARISONS},
+    **{op: (local_conversion, f"{describe_target(op)}: dtype conversion of the local block") for op in CONVERSIONS},
 }
 
 

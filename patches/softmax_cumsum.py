@@ -72,6 +72,7 @@ from physicsnemo_shardext.primitives import (
     eager_handler,
     from_local_like,
     is_partial,
+    linear_backward,
     local_of,
     normalize_dim,
     require_shard_input,
@@ -203,11 +204,26 @@ class _ExclusivePrefix(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_prefix: torch.Tensor) -> tuple[torch.Tensor, None]:
         layout = ctx.layout
-        gathered = _gather_rows(grad_prefix.contiguous(), layout)
-        grad_total = torch.zeros_like(grad_prefix)
-        for coord in range(layout.coord + 1, layout.parts):
-            grad_total += gathered[coord]
-        return grad_total, None
+        # Linear in the gradient: under create_graph=True its own backward is the forward prefix sum.
+        return linear_backward(grad_prefix, lambda g: _suffix_sum(g, layout), lambda t: _prefix_sum(t, layout)), None
+
+
+def _prefix_sum(total: torch.Tensor, layout: DimLayout) -> torch.Tensor:
+    """Sum of the per-rank ``total`` of all lower coordinates (one all-gather)."""
+    gathered = _gather_rows(total.contiguous(), layout)
+    prefix = torch.zeros_like(total)
+    for coord in range(layout.coord):
+        prefix += gathered[coord]
+    return prefix
+
+
+def _suffix_sum(grad: torch.Tensor, layout: DimLayout) -> torch.Tensor:
+    """The adjoint of `_prefix_sum`: sum of the per-rank ``grad`` of all higher coordinates."""
+    gathered = _gather_rows(grad.contiguous(), layout)
+    total = torch.zeros_like(grad)
+    for coord in range(layout.coord + 1, layout.parts):
+        total += gathered[coord]
+    return total
 
 
 def _gather_rows(row: torch.Tensor, layout: DimLayout) -> list[torch.Tensor]:

@@ -12,6 +12,11 @@ module holding their targets is imported (`physicsnemo_shardext.lazy_builtins`):
 they join the baseline then, are never taken for a plugin's own write, and
 survive the restore of an older snapshot (`late_builtins`).
 
+A function-level built-in also fills the torch aliases of its target that
+PhysicsNeMo left empty (`physicsnemo_shardext.aliases`): where PhysicsNeMo patches
+an op under one name only, the op's other names reach the same built-in, not the
+DTensor fallback, and `builtin_handler` returns it for them.
+
 Examples:
     >>> from physicsnemo_shardext.baseline import baseline, ensure_builtin_patches
     >>> ensure_builtin_patches()
@@ -21,10 +26,11 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from physicsnemo_shardext import shard_registries
+from physicsnemo_shardext.aliases import implied_entries
 from physicsnemo_shardext.lazy_builtins import LateSlots
 from physicsnemo_shardext.shard_registries import PatchLevel, RegistryChange, RegistrySnapshot
 
@@ -40,6 +46,7 @@ __all__ = [
 _baseline: RegistrySnapshot | None = None
 #: Built-ins registered after the baseline was first taken, by (table, key).
 _late: dict[tuple[str, Any], Callable[..., Any]] = {}
+_FUNCTION_TABLE = shard_registries.table_name(PatchLevel.FUNCTION)
 _LEVEL_OF_TABLE = {
     shard_registries.table_name(level): level for level in (PatchLevel.FUNCTION, PatchLevel.NAMED, PatchLevel.DISPATCH)
 }
@@ -56,17 +63,44 @@ def ensure_builtin_patches() -> None:
     # call (e.g. PhysicsNeMo's own, on GPU machines) a no-op. The modules that need
     # physicsnemo.nn are deferred until something can call them (see lazy_builtins).
     register_builtins(_add_to_baseline)
+    _fill_aliases(dict(shard_registries.snapshot().as_dicts()[_FUNCTION_TABLE]))
     _baseline = shard_registries.snapshot()
     shard_registries.on_restore(_reapply_late_builtins)
 
 
+def _fill_aliases(builtins: Mapping[Any, Callable[..., Any]]) -> list[tuple[str, Any]]:
+    """Install each function-level built-in under the torch aliases of its target that hold nothing.
+
+    Returns the ``(table, key)`` slots written.
+
+    Examples:
+        >>> import torch
+        >>> from physicsnemo.domain_parallel import ShardTensor
+        >>> snap = shard_registries.snapshot()
+        >>> from physicsnemo_shardext.targets import describe_target
+        >>> [(table, describe_target(key)) for table, key in _fill_aliases({torch.trapezoid: print})]
+        [('_function_registry', 'torch.trapz')]
+        >>> ShardTensor._function_registry[torch.trapz] is print
+        True
+        >>> shard_registries.restore(snap)
+    """
+    written = []
+    for alias, (_, handler) in implied_entries(builtins).items():
+        if shard_registries.current_handler(PatchLevel.FUNCTION, alias) is None:
+            shard_registries.set_handler(PatchLevel.FUNCTION, alias, handler)
+            written.append((_FUNCTION_TABLE, alias))
+    return written
+
+
 def _add_to_baseline(slots: LateSlots) -> None:
-    """Built-ins registered late (after their targets' module was imported) join the baseline."""
+    """Built-ins registered late (after their targets' module was imported) join the baseline, with their aliases."""
     global _baseline
     if _baseline is None:
         return  # registered while the built-ins are set up: the baseline snapshot will hold them
     from physicsnemo.domain_parallel import ShardTensor
 
+    functions = {key: ShardTensor._function_registry[key] for table, key in slots if table == _FUNCTION_TABLE}
+    slots = [*slots, *_fill_aliases(functions)]
     tables = _baseline.as_dicts()
     for table, key in slots:
         handler = getattr(ShardTensor, table)[key]

@@ -49,6 +49,7 @@ __all__ = [
     "build_parser",
     "contained",
     "main",
+    "plugin_health",
     "plugin_output_to_stderr",
     "run_torch_free_command",
     "started_as_cli",
@@ -58,7 +59,8 @@ __all__ = [
 #: row ``recorded_handler``, ``drift`` and ``drift_reason`` (``handler`` is now the live one).
 #: 3 added per handler row ``claimants``, the ``status`` value ``unresolved``, and a row for
 #: every slot plugins tie on unresolved; ``doctor``'s ``conflicts`` are unchanged. Within 3, the
-#: plugin ``status`` value ``deferred`` was added (the awaited module is named in ``reason``).
+#: plugin ``status`` value ``deferred`` was added (the awaited module is named in ``reason``), and then
+#: per plugin row ``problems``, ``load_seconds`` and ``slow`` (plugin health).
 #: Equal to ``inventory.SCHEMA_VERSION`` (not imported: this module must import without torch).
 JSON_SCHEMA_VERSION = 3
 
@@ -291,6 +293,32 @@ def _write_listing(handlers: list[dict[str, Any]], plugins: list[dict[str, Any]]
     if problems:
         out.write("\nPlugins not installed:\n")
         _table(problems, ["plugin", "distribution", "version", "status", "reason"], out)
+    unhealthy = [dict(p, health=note) for p in plugins for note in plugin_health(p)]
+    if unhealthy:
+        out.write("\nPlugin health (PROBLEM: provides nothing as written; slow: long to load; note: not an error):\n")
+        _table(unhealthy, ["plugin", "distribution", "version", "status", "health"], out)
+
+
+def plugin_health(plugin: dict[str, Any]) -> list[str]:
+    """What to say about a plugin row's health: hook problems, a slow load, no patches declared here.
+
+    A loaded plugin whose ``shardext_declare_patches`` ran and declared nothing (its
+    declarations gated on this setup) gets a ``note``, not a ``PROBLEM``.
+
+    Examples:
+        >>> plugin_health({"status": "loaded", "patches": 0, "problems": [], "load_seconds": 2.5, "slow": True})
+        ['slow: 2.50 s to load (import and hooks)', 'note: declared no patches on this setup (its shardext_declare_patches declared none here)']
+        >>> plugin_health({"status": "loaded", "patches": 3, "problems": [], "load_seconds": 0.01, "slow": False})
+        []
+    """
+    notes = [f"PROBLEM: {problem}" for problem in plugin.get("problems") or []]
+    if plugin.get("slow"):
+        notes.append(f"slow: {plugin.get('load_seconds') or 0:.2f} s to load (import and hooks)")
+    if plugin["status"] == "loaded" and plugin["patches"] == 0 and not plugin.get("problems"):
+        notes.append(
+            "note: declared no patches on this setup (its shardext_declare_patches declared none here)"
+        )
+    return notes
 
 
 def _runner(errors: list[str]) -> Callable[[str, Callable[[], Any], Any], Any]:
@@ -346,6 +374,22 @@ def _write_doctor_plugins(report: dict[str, Any], out: TextIO) -> None:
             out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {detail['reason']}\n")
         for skipped in detail["not_applicable"]:
             out.write(f"    {detail['plugin']}: not needed here, not installed: {skipped}\n")
+        for note in plugin_health(detail):
+            out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {note}\n")
+    _write_doctor_load_times(report, out)
+
+
+def _write_doctor_load_times(report: dict[str, Any], out: TextIO) -> None:
+    """Each imported plugin's load time (import and hooks), slowest first."""
+    timed = [d for d in report["plugin_details"] if d.get("load_seconds") is not None]
+    threshold = (report.get("settings") or {}).get("slow_plugin_seconds")
+    limit = "off" if threshold is None else f"{threshold:g} s"
+    out.write(f"Plugin load times (import and hooks; SHARDEXT_SLOW_PLUGIN_SECONDS: {limit})\n")
+    if not timed:
+        out.write("  none\n")
+    for detail in sorted(timed, key=lambda d: (-d["load_seconds"], d["plugin"])):
+        flag = "  SLOW" if detail.get("slow") else ""
+        out.write(f"  {detail['plugin']:22} {detail['load_seconds']:8.3f} s{flag}\n")
 
 
 def _write_doctor_conflicts(report: dict[str, Any], out: TextIO) -> None:

@@ -48,6 +48,10 @@ class PatchDeclaration:
         priority: higher wins when several plugins claim one target.
         override: the plugin knowingly replaces a PhysicsNeMo built-in.
         description: one line for ``shardext list``.
+        alias_of: ``None`` for a declaration the plugin made; for the copy the registry
+            installs under a torch alias nobody declared (``torch.concat`` for a
+            declaration of ``torch.cat``, see `physicsnemo_shardext.aliases`), the target
+            the plugin declared.
     """
 
     target: Any
@@ -56,6 +60,7 @@ class PatchDeclaration:
     priority: int = 0
     override: bool = False
     description: str = ""
+    alias_of: Any = None
 
     @property
     def target_name(self) -> str:

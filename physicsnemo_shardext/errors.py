@@ -19,7 +19,9 @@ __all__ = [
     "MissingShardPatch",
     "PatchConflictError",
     "PluginLoadError",
+    "PluginHookError",
     "PluginNameClash",
+    "ReentrantLoadError",
     "ShardextError",
     "ShardextWarning",
     "UndeclaredPatchError",
@@ -197,3 +199,49 @@ class IncompatiblePluginError(ShardextError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(f"it {reason}, so it was skipped")
+
+
+class PluginHookError(ShardextError):
+    """A plugin's hooks can provide nothing: a hook-named function lacks ``@hookimpl``, or no hook is implemented.
+
+    pluggy only calls functions that carry the ``hookimpl`` marker, so such a plugin
+    would load "successfully" with no patches. The loader warns about it (strict mode:
+    raises `PluginLoadError` with this as its cause, at the ``hook check`` stage).
+
+    Examples:
+        >>> str(PluginHookError(["shardext_declare_patches() lacks the @hookimpl marker"]))
+        'its hooks provide nothing as written: shardext_declare_patches() lacks the @hookimpl marker'
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"its hooks provide nothing as written: {'; '.join(self.problems)}")
+
+
+class ReentrantLoadError(ShardextError):
+    """Plugins were loaded from inside a plugin's own load (its import or one of its hooks).
+
+    A nested load would install plugins in the middle of another plugin's isolated
+    load, so the framework refuses it: with a `ShardextWarning` (the nested call loads
+    nothing; the load in progress loads every plugin anyway), or with this error in
+    strict mode. ``plugin``, ``distribution``, ``version`` and ``stage`` name the plugin
+    being loaded when the call was made; ``call`` is what was called.
+
+    Examples:
+        >>> print(ReentrantLoadError("greedy", "greedy-dist", "1.0", "import", "load_plugins()"))
+        load_plugins() was called while plugin 'greedy' from greedy-dist==1.0 was being loaded (during its import); plugins cannot be loaded from inside a plugin's load, so the call was refused (the load in progress goes on and loads every plugin). Remove the call from the plugin's import and hooks; programs call load_plugins() themselves
+    """
+
+    def __init__(self, plugin: str, distribution: str, version: str, stage: str, call: str) -> None:
+        self.plugin = plugin
+        self.distribution = distribution
+        self.version = version
+        self.stage = stage
+        self.call = call
+        during = "its import" if stage == "import" else stage
+        super().__init__(
+            f"{call} was called while plugin {plugin!r} from {distribution}=={version or '?'} was being loaded "
+            f"(during {during}); plugins cannot be loaded from inside a plugin's load, so the call was refused "
+            "(the load in progress goes on and loads every plugin). Remove the call from the plugin's import "
+            "and hooks; programs call load_plugins() themselves"
+        )

@@ -59,7 +59,8 @@ __all__ = [
 #: 3: adds per row ``claimants`` and the ``status`` value ``unresolved``, and a row for every slot
 #: that plugins tie on at equal priority with nothing resolving it (even when ShardTensor has no
 #: handler there: then ``handler`` is ``null`` and ``provider`` is ``null``); within 3, the plugin
-#: ``status`` value ``deferred`` was added (a plugin waiting for a module, named in ``reason``).
+#: ``status`` value ``deferred`` was added (a plugin waiting for a module, named in ``reason``), and then
+#: per plugin row ``problems`` (hooks that provide nothing), ``load_seconds`` and ``slow``.
 SCHEMA_VERSION = 3
 
 T = TypeVar("T")
@@ -336,10 +337,26 @@ def handler_rows(registry: PatchRegistry, run: Runner = _direct) -> list[dict[st
     return rows
 
 
+def _load_seconds(extra: dict[str, Any]) -> float | None:
+    seconds = extra.get("load_seconds")
+    return None if seconds is None else round(float(seconds), 4)
+
+
 def plugin_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
     """One row per plugin the loader saw: loaded, failed, blocked, incompatible or deferred.
 
-    A ``deferred`` row's ``reason`` names the module the plugin waits for.
+    A ``deferred`` row's ``reason`` names the module the plugin waits for. Plugin
+    health: ``problems`` says why a plugin's hooks provide nothing as written (a
+    hook-named function without ``@hookimpl``, no hook at all, no
+    ``shardext_declare_patches``); ``load_seconds`` is how long its import and hooks
+    took (``None``: never imported, e.g. blocked) and ``slow`` whether that exceeded
+    ``SHARDEXT_SLOW_PLUGIN_SECONDS``.
+
+    Examples:
+        >>> import physicsnemo_shardext
+        >>> row = next(r for r in plugin_rows(physicsnemo_shardext.get_registry()) if r["plugin"] == "pointwise")
+        >>> row["status"], row["problems"], row["load_seconds"] >= 0, row["slow"]
+        ('loaded', [], True, False)
     """
     return [
         {
@@ -352,6 +369,9 @@ def plugin_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
             "reason": report.reason,
             # Attribute replacements whose applies() check found nothing to fix here.
             "not_applicable": [f"{target}: {why}" for target, why in report.extra.get("not_applicable", [])],
+            "problems": list(report.extra.get("problems", [])),
+            "load_seconds": _load_seconds(report.extra),
+            "slow": bool(report.extra.get("slow", False)),
         }
         for report in registry.reports()
     ]

@@ -34,10 +34,12 @@ def _array(items: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": items}
 
 
+# Plugin health (``problems``, ``load_seconds``, ``slow``) was added within version 3: optional here,
+# so that earlier version-3 outputs stay valid.
 _PLUGIN_ROW = _object({
     "plugin": _STR, "distribution": _nullable(_STR), "version": _nullable(_STR), "status": _STR, "patches": _INT,
     "stage": _nullable(_STR), "reason": _nullable(_STR), "not_applicable": _array(_STR),
-})
+}, problems=_array(_STR), load_seconds=_nullable(_NUM), slow=_BOOL)
 _HANDLER_ROW = _object({
     "target": _STR, "level": _STR, "handler": _nullable(_STR), "provider": _nullable(_STR),
     "distribution": _nullable(_STR), "priority": _nullable(_INT), "status": _STR, "drift": _BOOL,
@@ -78,10 +80,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "activation_gathers": _INT, "error": _nullable(_STR),
             }, site={"type": ["object", "null"]}, configuration=_STR)),
             "comparison": _array(_object({"tensor": _STR, "relative_error": _NUM, "ok": _BOOL},
-                                         max_abs_error=_nullable(_NUM), detail=_STR)),
+                                         max_abs_error=_nullable(_NUM), detail=_STR,
+                                         worst_index={"type": ["array", "null"], "items": _INT},
+                                         elements_outside=_INT, description=_STR)),
             "next_steps": _array(_STR),
-        }, error={"type": ["object", "null"]}, totals={"type": "object"}, tolerance=_NUM, ranks=_INT,
-            split={"type": "object"}, notes=_array(_STR)),
+        }, error={"type": ["object", "null"]}, totals={"type": "object"}, tolerance=_NUM, rtol=_NUM, atol=_NUM,
+            rule=_STR, ranks=_INT, split={"type": "object"}, notes=_array(_STR)),
     },
 }
 

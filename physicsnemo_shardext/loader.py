@@ -5,7 +5,8 @@ For every entry point in the ``physicsnemo_shardext`` group the loader:
 1. applies the user's allow/deny lists (``SHARDEXT_ONLY``, ``SHARDEXT_DISABLE``);
 2. checks the plugin's identity, (distribution, entry-point name), against every
    other plugin's (see *Names* below);
-3. imports it and registers it with pluggy;
+3. imports it and registers it with pluggy, then checks that its hooks can provide
+   something (*hook check*, below);
 4. asks its ``shardext_requirements`` hook and skips it if a range is not met;
 5. asks its ``shardext_import_after`` hook: while a module named there is not
    imported, the plugin is *deferred* (below);
@@ -50,6 +51,26 @@ which ``patches.*`` declaration to use instead. Only the framework's install
 when a plugin imports their module (`physicsnemo_shardext.baseline.late_builtins`):
 those are neither blamed on the plugin nor rolled back.
 
+**Hooks that provide nothing.** pluggy calls only functions that carry ``@hookimpl``.
+A function named like a hook (or a close misspelling starting with ``shardext_``)
+without the marker is always a mistake, and so is a plugin with no hook at all, or
+with hooks but no ``shardext_declare_patches``: each is warned about, naming the
+plugin, its ``distribution==version`` and the function, and kept in the report's
+``problems`` (`hook_problems`). A ``shardext_declare_patches`` that runs and declares
+nothing on this setup is not a problem.
+
+**Load time.** Each plugin's import and hooks are timed (``load_seconds`` in its
+report's ``extra``, without the plugins loading nested inside it); past
+``SHARDEXT_SLOW_PLUGIN_SECONDS`` a warning names the plugin and the seconds. Being
+slow is never a failure.
+
+**Nested loads.** While a plugin's import or hooks run, loading plugins
+(``load_plugins()``, ``load_plugin()``, `PluginLoader.load_entry_points`) is refused:
+it would install plugins in the middle of that plugin's isolated load, whose undo
+then rolls them back while the registry keeps them. The nested call warns naming the
+plugin and loads nothing (strict mode: raises `ReentrantLoadError`); the load in
+progress goes on.
+
 **Names.** A plugin is identified by (distribution, entry-point name); names are
 compared like user selectors (case and ``-``/``_`` ignored). Entry-point names
 declared by ``physicsnemo-shardext`` itself are reserved: another distribution
@@ -59,8 +80,9 @@ distributions), and a name already held by a plugin loaded earlier refuses the
 newcomer. None of this depends on the order entry points are discovered in.
 
 **Strict mode** (``SHARDEXT_STRICT=1``) raises ``PluginLoadError`` on anything but a
-clean load: a failure, a refused name, a bypassing write, and a plugin skipped as
-incompatible. An unresolved equal-priority tie raises `PatchConflictError` itself
+clean load: a failure, a refused name, a bypassing write, a plugin skipped as
+incompatible, hooks that provide nothing (`PluginHookError`, stage ``hook check``) and a
+nested load (`ReentrantLoadError`, which fails the plugin whose code made the call). An unresolved equal-priority tie raises `PatchConflictError` itself
 (the plugin whose install made the tie is reported ``failed``). Plugins the user
 blocked are not failures.
 
@@ -70,21 +92,28 @@ Examples:
     >>> from physicsnemo_shardext.settings import Settings
     >>> plugin = types.ModuleType("empty_plugin")  # a plugin with no hooks declares nothing
     >>> loader = PluginLoader(PatchRegistry(), Settings())
-    >>> loader.load_plugin(plugin, PluginInfo("empty")).status.value
-    'loaded'
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:  # it loads, but is named as providing nothing
+    ...     warnings.simplefilter("always")
+    ...     report = loader.load_plugin(plugin, PluginInfo("empty"))
+    >>> report.status.value, report.extra["problems"] == [str(caught[0].message).split("as written: ")[1]]
+    ('loaded', True)
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
+import os
 import re
 import sys
 import threading
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -96,8 +125,10 @@ from physicsnemo_shardext.declarations import PatchSet
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
     PatchConflictError,
+    PluginHookError,
     PluginLoadError,
     PluginNameClash,
+    ReentrantLoadError,
     ShardextWarning,
     UndeclaredPatchError,
     is_user_interrupt,
@@ -113,14 +144,18 @@ from physicsnemo_shardext.targets import describe_handler, describe_target
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "HOOK_NAMES",
     "PluginLoader",
     "describe_change",
     "discover_entry_points",
     "first_party_names",
+    "hook_problems",
+    "loading_now",
     "name_clashes",
     "plugin_info_for",
     "resume_ready",
     "unknown_selector_message",
+    "unmarked_hooks",
 ]
 
 ENTRY_POINT_GROUP = PROJECT_NAME
@@ -129,6 +164,13 @@ ENTRY_POINT_GROUP = PROJECT_NAME
 _deferrals: list[tuple[PluginLoader, PluginReport, Any, tuple[str, ...]]] = []
 NAME_CHECK_STAGE = "name check"
 IMPORT_AFTER_STAGE = "shardext_import_after"
+HOOK_CHECK_STAGE = "hook check"
+NESTED_LOAD_STAGE = "nested load"
+DECLARE_HOOK = "shardext_declare_patches"
+
+#: The hooks a plugin can implement (``physicsnemo_shardext.hookspecs``).
+HOOK_NAMES: tuple[str, ...] = tuple(hookspecs.__all__)
+_HOOK_PREFIX = "shardext_"
 
 
 def discover_entry_points(group: str = ENTRY_POINT_GROUP) -> list[metadata.EntryPoint]:
@@ -277,6 +319,129 @@ def undeclared_patch_error(changes: Sequence[RegistryChange]) -> UndeclaredPatch
     return UndeclaredPatchError([describe_change(c) for c in changes], list(hints))
 
 
+def _attribute_names(plugin: Any) -> list[str]:
+    """``dir(plugin)``, or nothing when the plugin's own ``__dir__`` raises."""
+    try:
+        return [name for name in dir(plugin) if isinstance(name, str)]
+    except Exception:
+        return []
+
+
+def _is_hookimpl(value: Any) -> bool:
+    """Whether ``value`` carries this project's ``hookimpl`` marker (read the way pluggy reads it)."""
+    try:
+        return isinstance(getattr(value, f"{PROJECT_NAME}_impl", None), dict)
+    except Exception:
+        return False
+
+
+def unmarked_hooks(plugin: Any) -> list[tuple[str, str]]:
+    """``(function name, hook)`` for each function of ``plugin`` named like a hook but without ``@hookimpl``.
+
+    pluggy only calls marked functions, so such a function is never called: it is
+    always a mistake. A name counts as a hook's when it is the hook's name, or starts
+    with ``shardext_`` and is a close misspelling of one (``shardext_declare_patch``).
+
+    Examples:
+        >>> import types
+        >>> plugin = types.ModuleType("forgetful")
+        >>> def shardext_declare_patches(patches): ...
+        >>> plugin.shardext_declare_patches = shardext_declare_patches
+        >>> unmarked_hooks(plugin)
+        [('shardext_declare_patches', 'shardext_declare_patches')]
+    """
+    found = []
+    for name in _attribute_names(plugin):
+        if not name.startswith(_HOOK_PREFIX):
+            continue
+        hook = name if name in HOOK_NAMES else next(iter(difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)), None)
+        if hook is None:
+            continue
+        try:
+            value = getattr(plugin, name)
+        except Exception:
+            continue
+        if inspect.isroutine(value) and not _is_hookimpl(value):
+            found.append((name, hook))
+    return found
+
+
+def _plugin_object_name(plugin: Any) -> str:
+    """``module NAME``, ``class NAME`` or ``TYPE object``, for messages."""
+    if inspect.ismodule(plugin):
+        return f"module {plugin.__name__}"
+    if isinstance(plugin, type):
+        return f"class {plugin.__name__}"
+    return f"{type(plugin).__name__} object"
+
+
+def hook_problems(plugin: Any, implemented: Collection[str]) -> list[str]:
+    """Why ``plugin`` provides nothing as written, given the hooks pluggy registered for it (``[]``: fine).
+
+    * a function named like a hook without ``@hookimpl`` (see `unmarked_hooks`);
+    * no hook implemented at all (often an entry point naming the wrong module);
+    * hooks, but no ``shardext_declare_patches``, so no patch can ever be declared.
+
+    A ``shardext_declare_patches`` that runs and declares nothing on this setup (its
+    declarations gated on versions or features) is not a problem: it is not reported here.
+
+    Examples:
+        >>> import types
+        >>> hook_problems(types.ModuleType("shell"), implemented=[])
+        ['implements no hook: nothing in module shell carries @hookimpl, so it provides nothing (does its entry point name the module that defines the hooks?)']
+        >>> hook_problems(types.ModuleType("fine"), implemented=["shardext_declare_patches"])
+        []
+    """
+    problems = []
+    unmarked = unmarked_hooks(plugin)
+    for name, hook in unmarked:
+        meant = "" if name == hook else f" (a misspelling of {hook}?)"
+        problems.append(
+            f"{name}() is named like the {hook} hook{meant} but lacks the @hookimpl marker, so pluggy never calls "
+            "it and it provides nothing; decorate it with @hookimpl (from physicsnemo_shardext import hookimpl)"
+            + ("" if name == hook else f" and name it {hook}")
+        )
+    meant_hooks = {hook for _, hook in unmarked}
+    if not implemented and not unmarked:
+        problems.append(
+            f"implements no hook: nothing in {_plugin_object_name(plugin)} carries @hookimpl, so it provides "
+            "nothing (does its entry point name the module that defines the hooks?)"
+        )
+    elif implemented and DECLARE_HOOK not in implemented and DECLARE_HOOK not in meant_hooks:
+        problems.append(f"implements no {DECLARE_HOOK} hook, so it can never declare a patch")
+    return problems
+
+
+def loading_now() -> PluginInfo | None:
+    """The plugin whose import or hooks are running on this thread now (``None``: no plugin load in progress).
+
+    Examples:
+        >>> loading_now() is None
+        True
+    """
+    return _loading.stack[-1].info if _loading.stack else None
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside the framework's own modules.
+
+    Call it from the function that calls ``warnings.warn``. Frames of ``importlib``'s
+    bootstrap are skipped without being counted, as ``warnings`` itself does.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def internal(frame: Any) -> bool:
+        return "importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame = frame.f_back
+        while frame is not None and internal(frame):
+            frame = frame.f_back
+        level += 1
+    return level
+
+
 _NOT_IMPORTED = object()
 
 
@@ -290,6 +455,16 @@ class _Attempt:
     stage: str = "import"
     plugin: Any = _NOT_IMPORTED
     was_registered: bool = True
+    #: What `hook_problems` found (warned about once, carried into every report of the plugin).
+    problems: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    #: Seconds spent on earlier passes (a deferred plugin's import) and in nested loads (not its own).
+    carried: float = 0.0
+    nested: float = 0.0
+
+    def seconds(self) -> float:
+        """This plugin's own load time so far: import and hooks, earlier passes included, nested loads not."""
+        return self.carried + (time.perf_counter() - self.started) - self.nested
 
 
 def unknown_selector_message(variable: str, selector: str, known: Iterable[PluginInfo]) -> str:
@@ -329,7 +504,12 @@ class PluginLoader:
 
         A plugin already loaded under the same identity is skipped without a report,
         so calling this twice is a no-op for what loaded the first time.
+
+        Called while a plugin is being loaded (from its import or a hook), it is refused
+        (see `ReentrantLoadError`): it warns and returns ``[]``, or raises in strict mode.
         """
+        if self._refuse_nested("load_plugins()"):
+            return []
         if entry_points is None:
             entry_points = discover_entry_points()
         entry_points = list(entry_points)
@@ -355,7 +535,12 @@ class PluginLoader:
 
         Its hooks are guarded like an entry point's (any ``BaseException`` contained,
         registry writes rolled back); there is no name check, as it has no distribution.
+        Called while another plugin is being loaded, it is refused like `load_entry_points`
+        and returns a ``failed`` report (stage ``nested load``).
         """
+        if self._refuse_nested(f"load_plugin(..., {info.name!r})"):
+            reason = str(self._nested_error(f"load_plugin(..., {info.name!r})"))
+            return self._report(PluginReport(info, LoadStatus.FAILED, reason, stage=NESTED_LOAD_STAGE))
         blocked = self._blocked_reason(info)
         if blocked is not None:
             return self._report(PluginReport(info, LoadStatus.BLOCKED, blocked))
@@ -382,6 +567,27 @@ class PluginLoader:
                 if any(info.matches(selector) for info in known):
                     continue
                 warnings.warn(unknown_selector_message(variable, selector, known), ShardextWarning, stacklevel=4)
+
+    @staticmethod
+    def _nested_error(call: str) -> ReentrantLoadError:
+        info, stage = _loading.stack[-1].info, _loading.stack[-1].stage
+        return ReentrantLoadError(info.name, info.distribution, info.version, stage, call)
+
+    def _refuse_nested(self, call: str) -> bool:
+        """Whether a plugin's load is in progress on this thread, so ``call`` must not load anything.
+
+        Loading inside a plugin's import or hook would install plugins in the middle of
+        that plugin's isolated load (its undo would then roll them back while the
+        registry keeps them). Warns naming the plugin, or raises `ReentrantLoadError`
+        in strict mode.
+        """
+        if not _loading.stack:
+            return False
+        error = self._nested_error(call)
+        if self.settings.strict:
+            raise error
+        warnings.warn(str(error), ShardextWarning, stacklevel=_caller_outside_package())
+        return True
 
     # -- one plugin --------------------------------------------------------------------------
     def _pending(
@@ -413,7 +619,11 @@ class PluginLoader:
         return _Attempt(info, shard_registries.snapshot(), held, plugin=plugin)
 
     def _guarded(self, attempt: _Attempt, stages: Callable[[], PluginReport], *, late: bool = False) -> PluginReport:
-        """Run ``stages``; on any exception undo the attempt and report it (``late``: never raise)."""
+        """Run ``stages``; on any exception undo the attempt and report it (``late``: never raise).
+
+        The time the stages take is the plugin's (``load_seconds`` in its report), less
+        that of loads nested in it (a deferred plugin loading inside its import).
+        """
         _loading.stack.append(attempt)
         try:
             report = stages()
@@ -421,12 +631,40 @@ class PluginLoader:
             stray = self._undo(attempt)
             if is_user_interrupt(error):
                 raise
-            return self._fail(attempt.info, attempt.stage, error, stray, late=late)
+            report = self._fail(attempt.info, attempt.stage, error, stray, late=late, extra=self._extra(attempt))
         finally:
             _loading.stack.remove(attempt)
+            if _loading.stack:
+                _loading.stack[-1].nested += time.perf_counter() - attempt.started
+        self._warn_if_slow(report, attempt)
         if report.status is LoadStatus.INCOMPATIBLE:
             self._skip_incompatible(report)
         return report
+
+    def _extra(self, attempt: _Attempt, **more: Any) -> dict[str, Any]:
+        """A report's ``extra``: ``more``, the load time so far, whether that is slow, and any hook problems."""
+        seconds = attempt.seconds()
+        threshold = self.settings.slow_plugin_seconds
+        extra: dict[str, Any] = {**more, "load_seconds": seconds, "slow": threshold is not None and seconds > threshold}
+        if attempt.problems:
+            extra["problems"] = list(attempt.problems)
+        return extra
+
+    def _warn_if_slow(self, report: PluginReport, attempt: _Attempt) -> None:
+        """Warn once when a plugin's load time crosses ``SHARDEXT_SLOW_PLUGIN_SECONDS`` (an earlier pass may have)."""
+        threshold = self.settings.slow_plugin_seconds
+        seconds = report.extra.get("load_seconds")
+        if threshold is None or seconds is None or not report.extra.get("slow") or attempt.carried > threshold:
+            return
+        info = report.plugin
+        warnings.warn(
+            f"plugin {info.label} took {seconds:.1f} s to load (its import and hooks; "
+            f"SHARDEXT_SLOW_PLUGIN_SECONDS={threshold:g}): the program waits that long on import physicsnemo_shardext "
+            f"(or, for a deferred plugin, on the import it waits for). Skip it with SHARDEXT_DISABLE={info.name}, "
+            "or move its heavy imports out of its module's top level (shardext_import_after)",
+            ShardextWarning,
+            stacklevel=_caller_outside_package(),
+        )
 
     def _run_stages(self, attempt: _Attempt, obtain: Callable[[], Any] | None) -> PluginReport:
         info = attempt.info
@@ -438,13 +676,17 @@ class PluginLoader:
         attempt.was_registered = self.plugin_manager.is_registered(plugin)
         self.plugin_manager.register(plugin, name=info.name)
         self.plugin_manager.check_pending()
+        attempt.stage = HOOK_CHECK_STAGE
+        self._check_hooks(attempt)
         attempt.stage = "shardext_requirements"
         requirements = self._requirements(plugin)
         self._check_untouched(attempt)
         reason = incompatibility(requirements)
         if reason is not None:
             self._unregister(attempt)
-            return self._report(PluginReport(info, LoadStatus.INCOMPATIBLE, reason, stage=attempt.stage))
+            return self._report(
+                PluginReport(info, LoadStatus.INCOMPATIBLE, reason, stage=attempt.stage, extra=self._extra(attempt))
+            )
         attempt.stage = IMPORT_AFTER_STAGE
         modules = self._import_after(plugin)
         self._check_untouched(attempt)
@@ -457,7 +699,8 @@ class PluginLoader:
             return self._declare_and_install(attempt)
         info, plugin = attempt.info, attempt.plugin
         reason = f"loads once {waiting} is imported (shardext_import_after)"
-        report = self._report(PluginReport(info, LoadStatus.DEFERRED, reason, stage=IMPORT_AFTER_STAGE))
+        extra = self._extra(attempt)
+        report = self._report(PluginReport(info, LoadStatus.DEFERRED, reason, stage=IMPORT_AFTER_STAGE, extra=extra))
         self._waiting[_identity(info)] = report
         _deferrals.append((self, report, plugin, tuple(modules)))
         call_after_import(waiting, lambda: self._resume(report, plugin, modules))
@@ -471,7 +714,7 @@ class PluginLoader:
         self._check_untouched(attempt)
         attempt.stage = "install"
         self.registry.add_plugin(info, list(patches))
-        extra = {"not_applicable": list(patches.not_applicable)} if patches.not_applicable else {}
+        extra = self._extra(attempt, **({"not_applicable": list(patches.not_applicable)} if patches.not_applicable else {}))
         return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches), extra=extra))
 
     def _resume(self, deferred: PluginReport, plugin: Any, modules: Sequence[str]) -> None:
@@ -485,6 +728,8 @@ class PluginLoader:
             del self._waiting[_identity(info)]
         attempt = self._attempt(info, plugin)
         attempt.was_registered = False  # registered when it was deferred: a failure unregisters it
+        attempt.carried = deferred.extra.get("load_seconds", 0.0)  # its import and first hooks
+        attempt.problems = list(deferred.extra.get("problems", []))  # warned about when it was deferred
         if not self._is_current(deferred):
             self._unregister(attempt)
             return
@@ -502,6 +747,22 @@ class PluginLoader:
     def _is_current(self, report: PluginReport) -> bool:
         """Whether ``report`` is still the registry's report for its plugin."""
         return any(each is report for each in self.registry.reports())
+
+    def _check_hooks(self, attempt: _Attempt) -> None:
+        """Find hooks that provide nothing (`hook_problems`): warn once, or raise `PluginHookError` in strict mode."""
+        implemented = [caller.name for caller in self.plugin_manager.get_hookcallers(attempt.plugin) or ()]
+        problems = hook_problems(attempt.plugin, implemented)
+        if not problems:
+            return
+        if self.settings.strict:
+            raise PluginHookError(problems)
+        attempt.problems = problems
+        info = attempt.info
+        warnings.warn(
+            f"plugin {info.label} provides nothing as written: {'; '.join(problems)}",
+            ShardextWarning,
+            stacklevel=_caller_outside_package(),
+        )
 
     @staticmethod
     def _check_untouched(attempt: _Attempt) -> None:
@@ -573,14 +834,21 @@ class PluginLoader:
         return report
 
     def _fail(
-        self, info: PluginInfo, stage: str, error: BaseException, stray: Sequence[str] = (), *, late: bool = False
+        self,
+        info: PluginInfo,
+        stage: str,
+        error: BaseException,
+        stray: Sequence[str] = (),
+        *,
+        late: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> PluginReport:
         """Record a failure; warn, or raise `PluginLoadError` in strict mode (never ``late``: in an import hook)."""
         detail = ""
         if stray and not isinstance(error, UndeclaredPatchError):
             detail = f"its writes into ShardTensor's registries outside the hooks were rolled back ({'; '.join(stray)})"
         failure = PluginLoadError(info.name, info.distribution, info.version, stage, error, detail=detail)
-        report = self._report(PluginReport(info, LoadStatus.FAILED, str(failure), stage=stage))
+        report = self._report(PluginReport(info, LoadStatus.FAILED, str(failure), stage=stage, extra=extra or {}))
         if self.settings.strict and not late:
             if isinstance(error, PatchConflictError):
                 # An unresolved tie is not the plugin's fault alone: raise what the docs promise.

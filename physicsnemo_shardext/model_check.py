@@ -11,8 +11,10 @@ model, or the model and its inputs), then
    sharded like the output, backward, all under an `OpTracer` that records
    every op's handler, placements, collectives and gathers;
 3. the **comparison**: the loss, every output, the input gradient and every
-   parameter gradient against the reference: max abs error and the relative
-   error ``max|a - r| / max|r|``, worst first.
+   parameter gradient against the reference, by the one rule of
+   `physicsnemo_shardext.comparison` (``|a - r| <= atol + rtol * |r|`` per
+   element; max abs error and relative error ``max|a - r| / max(max|r|, atol)``
+   reported), mismatches first, then worst relative error first.
 
 Rank 0 gathers every rank's record and builds the report: a JSON-ready
 ``dict`` whose schema is `REPORT_SCHEMA` version `REPORT_VERSION` (documented in
@@ -48,9 +50,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
+from physicsnemo_shardext.comparison import RULE, Tolerance, compare
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.op_trace import IGNORED_CALLS, CallSite, OpSite, OpTracer, find_call_site, registry_provider
-from physicsnemo_shardext.verification import relative_error
+from physicsnemo_shardext.testing.model_init import without_random_masks
 
 __all__ = [
     "REPORT_SCHEMA", "REPORT_VERSION", "BadInput", "VerifyConfig", "check_model", "load_factory", "split_sizes",
@@ -58,9 +61,6 @@ __all__ = [
 
 REPORT_SCHEMA = "physicsnemo-shardext/verify"
 REPORT_VERSION = 1
-
-#: Default relative tolerance per dtype (``max|a - r| / max|r|``).
-DEFAULT_RTOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
 
 EXIT_CODES = {"match": 0, "mismatch": 1, "unsupported": 2, "bad-input": 3}
 
@@ -83,14 +83,22 @@ class VerifyConfig:
     train: bool = True
     loss: str = "mse"
     rtol: float | None = None
+    atol: float | None = None
     seed: int = 1234
     plugins: tuple[str, ...] = ()
     progress_path: str | None = None
 
     @property
-    def tolerance(self) -> float:
-        """The relative tolerance used for every compared tensor."""
-        return self.rtol if self.rtol is not None else DEFAULT_RTOL.get(self.dtype, 1e-4)
+    def tolerance(self) -> Tolerance:
+        """The `Tolerance` of every compared tensor: ``rtol``/``atol`` as given, else the dtype's default.
+
+        Examples:
+            >>> VerifyConfig("m:f", dtype="bfloat16", rtol=0.1).tolerance
+            Tolerance(rtol=0.1, atol=0.02)
+        """
+        default = Tolerance.for_dtype(self.dtype)
+        return Tolerance(default.rtol if self.rtol is None else self.rtol,
+                         default.atol if self.atol is None else self.atol)
 
 
 def split_sizes(length: int, parts: int, split: str) -> list[int]:
@@ -229,12 +237,12 @@ def _build(config: VerifyConfig) -> _Built:
     model = model.to(dtype).train(config.train)
     built = _Built(model, inputs)
     if config.train:
-        dropped = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p]
-        for name, module in model.named_modules():
-            if name in dropped:
-                module.p = 0.0  # its mask depends on the shard layout: nothing could match
+        # A random mask depends on the shard layout: nothing could match. Drop path too (Pangu, Swin).
+        dropped = without_random_masks(model)
         if dropped:
-            built.notes.append(f"dropout set to p=0 in {len(dropped)} module(s) ({', '.join(dropped[:3])}...)")
+            built.notes.append(
+                f"dropout and drop path set to p=0 in {len(dropped)} module(s) ({', '.join(dropped[:3])}...)"
+            )
     first = _sharded_input_index(inputs)
     for dim in config.shard_dims:
         if dim >= inputs[first].dim() or dim < -inputs[first].dim():
@@ -400,6 +408,7 @@ def _full(value: Any) -> Tensor:
 def _compare(config: VerifyConfig, reference: dict[str, Any], sharded: dict[str, Any]) -> list[dict[str, Any]]:
     """Every compared tensor: name, max abs error, relative error, ok. Collective (full_tensor) on all ranks."""
     rows: list[dict[str, Any]] = []
+    tolerance = config.tolerance
 
     def add(name: str, value: Any, expected: Any) -> None:
         if value is None and expected is None:
@@ -413,10 +422,15 @@ def _compare(config: VerifyConfig, reference: dict[str, Any], sharded: dict[str,
             return
         value = _full(value).detach().cpu()
         expected = expected.detach().cpu()
-        max_abs, rel = relative_error(value, expected)
-        detail = "" if value.shape == expected.shape else f"shape {list(value.shape)} != {list(expected.shape)}"
-        rows.append({"tensor": name, "max_abs_error": max_abs, "relative_error": rel,
-                     "ok": rel <= config.tolerance and not detail, "detail": detail})
+        result = compare(value, expected, tolerance)
+        detail = result.problem
+        if not detail and not result.passed:
+            where = f", worst at {list(result.worst_index)}" if result.worst_index else ""
+            detail = f"{result.mismatched} of {result.numel} elements outside atol + rtol*|r|{where}"
+        rows.append({"tensor": name, "max_abs_error": result.max_abs_error, "relative_error": result.max_rel_error,
+                     "ok": result.passed, "detail": detail,
+                     "worst_index": None if result.worst_index is None else list(result.worst_index),
+                     "elements_outside": result.mismatched, "description": result.describe()})
 
     add("loss", sharded["loss"], reference["loss"])
     outputs = [t for t in tree_leaves(sharded["output"]) if isinstance(t, Tensor)]
@@ -430,8 +444,14 @@ def _compare(config: VerifyConfig, reference: dict[str, Any], sharded: dict[str,
     expected_params = dict(reference["model"].named_parameters())
     for name, param in sharded["model"].named_parameters():
         add(f"grad {name}", param.grad, expected_params[name].grad)
-    rows.sort(key=lambda row: -row["relative_error"] if row["relative_error"] == row["relative_error"] else 0.0)
+    rows.sort(key=_worst_first)
     return rows
+
+
+def _worst_first(row: dict[str, Any]) -> tuple[bool, float]:
+    """Sort key: mismatches first, then the largest relative error (NaN last)."""
+    relative = row["relative_error"]
+    return row["ok"], -relative if relative == relative else 0.0
 
 
 # -- the rank entry point ------------------------------------------------------------------------
@@ -528,7 +548,10 @@ def build_report(config: VerifyConfig, ranks: list[dict[str, Any]]) -> dict[str,
         "schema": REPORT_SCHEMA, "schema_version": REPORT_VERSION,
         "config": {key: (list(value) if isinstance(value, tuple) else value)
                    for key, value in asdict(config).items() if key != "progress_path"},
-        "tolerance": config.tolerance,
+        "tolerance": config.tolerance.rtol,
+        "rtol": config.tolerance.rtol,
+        "atol": config.tolerance.atol,
+        "rule": RULE,
         "ranks": len(ranks),
     }
     bad = [r["bad_input"] for r in ranks if r.get("bad_input")]
@@ -610,7 +633,7 @@ def _merge_comparisons(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, A
             seen = worst.get(row["tensor"])
             if seen is None or row["relative_error"] > seen["relative_error"] or not row["ok"]:
                 worst[row["tensor"]] = row
-    return sorted(worst.values(), key=lambda row: -row["relative_error"])
+    return sorted(worst.values(), key=_worst_first)
 
 
 def _where(site: dict[str, Any] | None) -> str:

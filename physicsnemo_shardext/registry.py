@@ -7,6 +7,14 @@ desired state is recomputed from the full set of claims on every change,
 install order never matters, and removing plugins puts back, slot by slot,
 exactly what ShardTensor held before the framework first touched that slot.
 
+A function-level declaration also claims every torch alias of its target that
+no plugin declares (``torch.concat`` and ``torch.concatenate`` for ``torch.cat``,
+see `physicsnemo_shardext.aliases`): ``__torch_function__`` sees each alias as
+a key of its own. Such an *implied* claim is recorded like a declaration
+(``declaration.alias_of`` names the declared target), loses to any plugin's
+explicit declaration of the alias, leaves a slot that already holds a handler
+alone unless the declaration says ``override=True``, and is undone with it.
+
 Examples:
     >>> import torch
     >>> from physicsnemo_shardext.declarations import PatchSet
@@ -34,12 +42,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from physicsnemo_shardext import shard_registries
+from physicsnemo_shardext.aliases import implied_entries, torch_aliases
 from physicsnemo_shardext.baseline import handler_origin
 from physicsnemo_shardext.declarations import PatchDeclaration
 from physicsnemo_shardext.errors import InvalidPatchDeclaration, PatchConflictError, ShardextWarning
 from physicsnemo_shardext.markers import DISTRIBUTION_NAME
 from physicsnemo_shardext.provenance import Conflict, InstalledPatch, PluginInfo, PluginReport
-from physicsnemo_shardext.resolution import Resolution, resolve_claims
+from physicsnemo_shardext.resolution import Claim, Resolution, resolve_claims
 from physicsnemo_shardext.shard_registries import PatchLevel, SlotKey, SlotState
 from physicsnemo_shardext.settings import current_name
 from physicsnemo_shardext.targets import lookup_keys, resolve_slot
@@ -184,7 +193,9 @@ class PatchRegistry:
         * ``targets``: callables, op names or OpOverloads whose handler is removed
           entirely, built-in included, so ShardTensor takes the DTensor fallback.
           Give ``(target, level)`` tuples to choose a level other than the inferred one.
-          A custom op, in any of its forms, is removed under every key it is looked up by.
+          A custom op, in any of its forms, is removed under every key it is looked up by,
+          and a function-level target together with its torch aliases (``torch.cat``
+          removes ``torch.concat`` and ``torch.concatenate`` too).
 
         Examples:
             Inside the block ``F.gelu`` has no handler, so ShardTensor takes the DTensor fallback:
@@ -226,12 +237,16 @@ class PatchRegistry:
     # -- internals -------------------------------------------------------------------------
     @staticmethod
     def _slots_of(target: Any) -> tuple[SlotKey, ...]:
-        """Every slot of ``target`` (or of ``(target, level)``): its key and the other keys of the same op."""
+        """Every slot of ``target`` (or of ``(target, level)``): its key and the other keys of the same op.
+
+        The other keys are a custom op's packet or overload names, or a function's torch aliases.
+        """
         level = None
         if isinstance(target, tuple):
             target, level = target
         level, key = resolve_slot(target, level)
-        return tuple((level, each) for each in lookup_keys(key, level))
+        keys = lookup_keys(key, level) + (torch_aliases(key) if level is PatchLevel.FUNCTION else ())
+        return tuple((level, each) for each in keys)
 
     def _prior_state(self, key: SlotKey) -> SlotState:
         if key in self._state.prior:
@@ -282,11 +297,12 @@ class PatchRegistry:
     def _commit(self, candidate: _RegistryState) -> None:
         """Resolve ``candidate``, check it, then write the difference into ShardTensor."""
         declared = self._active_claims(candidate)
-        winners, conflicts = resolve_claims(
-            [(info, claim) for info, declaration in declared for claim in _per_slot(declaration)], self.prefer
-        )
+        claims = [(info, claim) for info, declaration in declared for claim in _per_slot(declaration)]
+        aliases = self._alias_claims(claims)
+        winners, conflicts = resolve_claims(claims + aliases, self.prefer)
         # A tie on a custom op's packet name repeats the tie on its overload: report the declared slot only.
-        primary = {(declaration.level.value, declaration.target_name) for _, declaration in declared}
+        # A tie on an alias is reported: plugins that declared different names of one op meet there.
+        primary = {(declaration.level.value, declaration.target_name) for _, declaration in declared + aliases}
         conflicts = [c for c in conflicts if (c.level, c.target) in primary]
         unresolved = [c for c in conflicts if c.winner is None]
         if unresolved and self.strict:
@@ -325,6 +341,31 @@ class PatchRegistry:
                 ShardextWarning,
                 stacklevel=3,
             )
+
+    def _alias_claims(self, claims: Sequence[Claim]) -> list[Claim]:
+        """Each plugin's function-level claims copied to the torch aliases of their targets nobody declared.
+
+        Per plugin, an alias reached from several of its declarations takes the one
+        `implied_entries` prefers (the alias's canonical op first). An alias some
+        plugin declares itself is left to the declarations; a slot that already held
+        a handler before any plugin (a PhysicsNeMo built-in, say) is claimed only
+        by a declaration with ``override=True``, as declaring the alias would require.
+        """
+        explicit = {declaration.key for _, declaration in claims}
+        by_plugin: dict[str, tuple[PluginInfo, dict[Any, PatchDeclaration]]] = {}
+        for info, declaration in claims:
+            if declaration.level is PatchLevel.FUNCTION:
+                by_plugin.setdefault(info.name, (info, {}))[1][declaration.target] = declaration
+        implied: list[Claim] = []
+        for info, declared in by_plugin.values():
+            for alias, (source, declaration) in implied_entries(declared).items():
+                slot: SlotKey = (PatchLevel.FUNCTION, alias)
+                if slot in explicit or (self._prior_state(slot)[0] is not None and not declaration.override):
+                    continue
+                note = f"alias of {declaration.target_name}"
+                description = f"{note}; {declaration.description}" if declaration.description else note
+                implied.append((info, replace(declaration, target=alias, alias_of=source, description=description)))
+        return implied
 
     def _provenance(self, resolution: Resolution, prior_slot: SlotState) -> InstalledPatch:
         prior = prior_slot[0]

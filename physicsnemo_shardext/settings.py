@@ -1,27 +1,32 @@
 """User switches read from environment variables.
 
-==========================  =====================================================
-Variable                    Meaning
-==========================  =====================================================
-``SHARDEXT_AUTOLOAD``       ``0``/``false``/``no``/``off``: do not load plugins on import
-``SHARDEXT_DISABLE``        comma-separated plugin or distribution names never to load (a name
-                            matching nothing installed gives a ``ShardextWarning``)
-``SHARDEXT_ONLY``           comma-separated allow-list: load only these plugins (unknown names
-                            warn, as for ``SHARDEXT_DISABLE``)
-``SHARDEXT_STRICT``         ``1``: anything but a clean load (failed, refused name, direct registry
-                            write, incompatible) or an unresolved conflict raises
-``SHARDEXT_PREFER``         comma-separated names, most preferred first, breaking equal-priority ties
-``SHARDEXT_TRACE``          ``1``: log every handler decision (``op -> handler -> plugin``)
-``SHARDEXT_TEST_TIMEOUT``   seconds a multirank test may run (read by the pytest plugin per test)
-==========================  =====================================================
+================================  =====================================================
+Variable                          Meaning
+================================  =====================================================
+``SHARDEXT_AUTOLOAD``             ``0``/``false``/``no``/``off``: do not load plugins on import
+``SHARDEXT_DISABLE``              comma-separated plugin or distribution names never to load (a name
+                                  matching nothing installed gives a ``ShardextWarning``)
+``SHARDEXT_ONLY``                 comma-separated allow-list: load only these plugins (unknown names
+                                  warn, as for ``SHARDEXT_DISABLE``)
+``SHARDEXT_STRICT``               ``1``: anything but a clean load (failed, refused name, direct registry
+                                  write, incompatible, hooks that provide nothing, a nested load) or an
+                                  unresolved conflict raises
+``SHARDEXT_SLOW_PLUGIN_SECONDS``  seconds above which a plugin's load (import and hooks) warns
+                                  (default ``1``; ``off`` never warns)
+``SHARDEXT_PREFER``               comma-separated names, most preferred first, breaking equal-priority ties
+``SHARDEXT_TRACE``                ``1``: log every handler decision (``op -> handler -> plugin``)
+``SHARDEXT_TEST_TIMEOUT``         seconds a multirank test may run (read by the pytest plugin per test)
+================================  =====================================================
 
 `ENVIRONMENT_VARIABLES` holds the help string of every variable the package reads;
 `Settings` parses those read on import (all but ``SHARDEXT_TEST_TIMEOUT``).
 
 Examples:
     >>> settings = Settings.from_env({"SHARDEXT_DISABLE": "a, b-dist", "SHARDEXT_STRICT": "1"})
-    >>> settings.deny, settings.strict, settings.autoload
-    (('a', 'b-dist'), True, True)
+    >>> settings.deny, settings.strict, settings.autoload, settings.slow_plugin_seconds
+    (('a', 'b-dist'), True, True, 1.0)
+    >>> Settings.from_env({"SHARDEXT_SLOW_PLUGIN_SECONDS": "off"}).slow_plugin_seconds is None
+    True
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENVIRONMENT_VARIABLES", "RENAMED_PLUGINS", "Settings"]
+__all__ = ["DEFAULT_SLOW_PLUGIN_SECONDS", "ENVIRONMENT_VARIABLES", "RENAMED_PLUGINS", "Settings"]
 
 #: First-party plugins renamed in 0.2, old name -> new name. The old names keep
 #: working wherever a plugin is named (``SHARDEXT_DISABLE``/``_ONLY``/``_PREFER``,
@@ -47,6 +52,9 @@ def current_name(name: str) -> str:
     """
     return RENAMED_PLUGINS.get(name, name)
 
+#: A plugin whose load (import and hooks) takes longer warns (``SHARDEXT_SLOW_PLUGIN_SECONDS``).
+DEFAULT_SLOW_PLUGIN_SECONDS = 1.0
+
 #: Every environment variable the package reads, with its help string.
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     "SHARDEXT_AUTOLOAD": "0/false/no/off: do not discover and install plugins on import",
@@ -61,7 +69,14 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     ),
     "SHARDEXT_STRICT": (
         "1: a plugin that does not load cleanly (failed, name refused, wrote into the registries itself, "
-        "or incompatible) or an unresolved conflict raises instead of warning; blocked plugins are fine"
+        "incompatible, hooks that provide nothing such as a hook function without @hookimpl, or a plugin "
+        "calling load_plugins() from its own load) or an unresolved conflict raises instead of warning; "
+        "blocked plugins are fine, and so are slow ones"
+    ),
+    "SHARDEXT_SLOW_PLUGIN_SECONDS": (
+        f"seconds (default {DEFAULT_SLOW_PLUGIN_SECONDS:g}) above which a plugin's load (its import and hooks) "
+        "gives a ShardextWarning naming the plugin and its time; off/none never warns. shardext doctor shows "
+        "every plugin's load time"
     ),
     "SHARDEXT_PREFER": "comma-separated plugin or distribution names, most preferred first, breaking ties",
     "SHARDEXT_TRACE": "1: wrap installed handlers and log 'op -> handler -> plugin' decisions",
@@ -86,6 +101,22 @@ def _flag(value: str | None, default: bool, name: str) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
 
 
+def _seconds(value: str | None, default: float | None, name: str) -> float | None:
+    """A duration in seconds: a non-negative number, or ``off``/``none``/``false``/``no`` for none."""
+    if value is None or value.strip() == "":
+        return default
+    lowered = value.strip().lower()
+    if lowered in {"off", "none", "false", "no"}:
+        return None
+    try:
+        seconds = float(lowered)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # negative, or nan
+        raise ValueError(f"{name}={value!r} is not a number of seconds (use e.g. 2.5, or off)")
+    return seconds
+
+
 def _names(value: str | None) -> tuple[str, ...]:
     if not value:
         return ()
@@ -102,6 +133,7 @@ class Settings:
     strict: bool = False
     prefer: tuple[str, ...] = ()
     trace: bool = False
+    slow_plugin_seconds: float | None = DEFAULT_SLOW_PLUGIN_SECONDS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -115,4 +147,7 @@ class Settings:
             strict=_flag(env.get("SHARDEXT_STRICT"), False, "SHARDEXT_STRICT"),
             prefer=_names(env.get("SHARDEXT_PREFER")),
             trace=_flag(env.get("SHARDEXT_TRACE"), False, "SHARDEXT_TRACE"),
+            slow_plugin_seconds=_seconds(
+                env.get("SHARDEXT_SLOW_PLUGIN_SECONDS"), DEFAULT_SLOW_PLUGIN_SECONDS, "SHARDEXT_SLOW_PLUGIN_SECONDS"
+            ),
         )

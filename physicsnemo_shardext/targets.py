@@ -97,6 +97,8 @@ def describe_target(target: Any) -> str:
         >>> import torch.nn.functional as F
         >>> describe_target(F.max_pool2d), describe_target("mylib.op.default"), describe_target(torch.ops.aten.roll)
         ('torch.nn.functional.max_pool2d', 'mylib.op.default', 'aten.roll')
+        >>> describe_target(torch.special.expit), describe_target(torch.fft.rfft2)
+        ('torch.special.expit', 'torch.fft.rfft2')
     """
     if isinstance(target, (str, AttributeTarget)):
         return str(target)
@@ -106,10 +108,13 @@ def describe_target(target: Any) -> str:
     if overload is not None:
         return str(overload)
     name = getattr(target, "__name__", None)
-    if name:
+    if isinstance(name, str) and name:
         for namespace_name, namespace in _PUBLIC_NAMESPACES:
-            if getattr(namespace, name, None) is target:
-                return f"{namespace_name}.{name}"
+            # torch.special.expit's own name is "special_expit" (likewise linalg_, fft_).
+            short = name.removeprefix(namespace_name.rpartition(".")[2] + "_")
+            for candidate in dict.fromkeys((name, short)):
+                if getattr(namespace, candidate, None) is target:
+                    return f"{namespace_name}.{candidate}"
     module = getattr(target, "__module__", None) or ""
     qualname = getattr(target, "__qualname__", None) or repr(target)
     return f"{module}.{qualname}" if module else qualname

@@ -89,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", default="mse", choices=["mse", "sum"],
                         help="mse against a seeded random target (default) or the output's sum")
     parser.add_argument("--rtol", type=float, help="relative tolerance (default by dtype: 1e-4 for float32)")
+    parser.add_argument("--atol", type=float, help="absolute tolerance (default by dtype: 1e-5 for float32)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="also load this module (or file.py:attr) as a plugin on every rank")
@@ -109,7 +110,8 @@ def config_from_args(args: argparse.Namespace, progress_path: str | None) -> Any
     return VerifyConfig(
         factory=args.factory, input_shape=parse_shape(args.input) if args.input else None, shard_dims=dims,
         ranks=args.ranks, mesh=mesh, split=args.split, dtype=args.dtype, train=args.train, loss=args.loss,
-        rtol=args.rtol, seed=args.seed, plugins=tuple(args.plugin), progress_path=progress_path,
+        rtol=args.rtol, atol=getattr(args, "atol", None), seed=args.seed, plugins=tuple(args.plugin),
+        progress_path=progress_path,
     )
 
 
@@ -369,8 +371,9 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"  {error['message'].splitlines()[0] if error['message'] else ''}")
     if report["comparison"]:
         lines.append("")
-        lines.append(f"against single-process (relative error max|a-r|/max|r|, tolerance {report['tolerance']:.0e}), "
-                     "worst first:")
+        lines.append(f"against single-process (|a - r| <= atol + rtol*|r| per element, rtol {report['tolerance']:.0e}, "
+                     f"atol {report.get('atol', 0.0):.0e}; relative error max|a-r|/max(max|r|, atol)), "
+                     "mismatches first:")
         for row in report["comparison"][:12]:
             mark = "ok" if row["ok"] else "MISMATCH"
             max_abs = "-" if row["max_abs_error"] is None else f"{row['max_abs_error']:.2e}"

@@ -66,7 +66,7 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
             '<span class="bar bwd" style="width:20px"></span> backward</p>')
 
 
-def _comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
+def _comparison_table(rows: list[dict[str, Any]], rtol: float, atol: float | None) -> str:
     body = []
     for row in rows:
         mark = '<span class="ok">ok</span>' if row["ok"] else '<span class="bad">MISMATCH</span>'
@@ -74,7 +74,9 @@ def _comparison_table(rows: list[dict[str, Any]], tolerance: float) -> str:
         body.append(f'<tr><td>{mark}</td><td><code>{escape(row["tensor"])}</code></td>'
                     f'<td class="num">{row["relative_error"]:.2e}</td><td class="num">{max_abs}</td>'
                     f'<td>{escape(row.get("detail") or "")}</td></tr>')
-    return (f"<p>Relative error max|a&minus;r| / max|r|, tolerance {tolerance:.0e}; worst first.</p>"
+    bound = "" if atol is None else f", atol {atol:.0e}"
+    return (f"<p>Equal when |a&minus;r| &le; atol + rtol&middot;|r| for every element (rtol {rtol:.0e}{bound}); "
+            "relative error max|a&minus;r| / max(max|r|, atol); mismatches first.</p>"
             "<table><tr><th></th><th>tensor</th><th>relative</th><th>max abs</th><th></th></tr>"
             + "".join(body) + "</table>")
 
@@ -106,7 +108,8 @@ def render_html(report: dict[str, Any]) -> str:
     if report.get("ops"):
         parts.append("<h2>Ops in call order</h2>" + _ops_table(report["ops"]))
     if report.get("comparison"):
-        parts.append("<h2>Against single-process</h2>" + _comparison_table(report["comparison"], report["tolerance"]))
+        parts.append("<h2>Against single-process</h2>" + _comparison_table(report["comparison"], report["tolerance"],
+                                                                              report.get("atol")))
     if report.get("next_steps"):
         parts.append("<h2>Next</h2><ul>" + "".join(f"<li>{escape(s)}</li>" for s in report["next_steps"]) + "</ul>")
     parts.append("</body></html>\n")

@@ -380,3 +380,61 @@ def test_doctor_text_shows_plugin_versions():
     text = run_cli("doctor")
     loaded = next(line for line in text.splitlines() if line.strip().startswith("loaded"))
     assert f"pointwise=={installed_version('physicsnemo-shardext')}" in loaded
+
+
+def test_list_and_doctor_show_plugin_health_and_load_times(tmp_path, monkeypatch, fresh_registry):
+    import warnings
+
+    import physicsnemo_shardext
+    from physicsnemo_shardext.json_schemas import SCHEMAS, validate
+    from physicsnemo_shardext.loader import PluginLoader
+    from physicsnemo_shardext.settings import Settings
+    from physicsnemo_shardext.testing.plugin_packages import entry_points_in
+
+    head = "import time, torch\nfrom physicsnemo_shardext import hookimpl\ndef h(func, types, args, kwargs): ...\n"
+    plugins = {
+        "forgetful": ("forgetful_cli_mod", head + "def shardext_declare_patches(patches):\n    patches.function(torch.cummin, h)\n"),
+        "sluggish": ("sluggish_cli_mod", head + "time.sleep(0.3)\n@hookimpl\ndef shardext_declare_patches(patches):\n"
+                     "    patches.function(torch.cummax, h)\n"),
+        "gated": ("gated_cli_mod", head + "@hookimpl\ndef shardext_declare_patches(patches):\n    return\n"),
+    }
+    for name, (module, source) in plugins.items():
+        write_plugin_distribution(tmp_path, f"{name}-dist", "0.4", {name: module}, {module: source})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        PluginLoader(fresh_registry, Settings(slow_plugin_seconds=0.2)).load_entry_points(entry_points_in(tmp_path))
+    monkeypatch.setattr(physicsnemo_shardext, "_registry", fresh_registry)
+    monkeypatch.setenv("SHARDEXT_SLOW_PLUGIN_SECONDS", "0.2")
+
+    listing = run_cli("list").split("Plugin health")[1]
+    health = {line.split()[0]: line for line in listing.splitlines()[2:] if line.strip()}
+    assert "PROBLEM: shardext_declare_patches() is named like the shardext_declare_patches hook" in health["forgetful"]
+    assert "forgetful-dist" in health["forgetful"] and "0.4" in health["forgetful"]
+    assert "slow: 0.3" in health["sluggish"] and "PROBLEM" not in health["sluggish"]
+    assert "note: declared no patches on this setup" in health["gated"] and "PROBLEM" not in health["gated"]
+
+    doctor = run_cli("doctor")
+    assert "forgetful (forgetful-dist==0.4): PROBLEM: shardext_declare_patches() is named like" in doctor
+    times = doctor.split("Plugin load times (import and hooks; SHARDEXT_SLOW_PLUGIN_SECONDS: 0.2 s)\n")[1]
+    rows = [line.split() for line in times.split("Conflicts")[0].splitlines()]
+    assert rows[0][0] == "sluggish" and rows[0][-1] == "SLOW" and float(rows[0][1]) >= 0.3  # slowest first
+    assert {row[0] for row in rows} == set(plugins) and all(row[-1] != "SLOW" for row in rows[1:])
+
+    data = json.loads(run_cli("doctor", "--json"))
+    assert validate(data, SCHEMAS["doctor"]) == []
+    details = {d["plugin"]: d for d in data["plugin_details"]}
+    assert details["sluggish"]["slow"] is True and details["sluggish"]["load_seconds"] >= 0.3
+    assert len(details["forgetful"]["problems"]) == 1 and details["gated"]["problems"] == []
+    assert details["gated"]["patches"] == 0 and details["gated"]["slow"] is False
+    assert data["settings"]["slow_plugin_seconds"] == 0.2
+
+
+def test_json_plugin_health_fields_are_typed_by_the_schema():
+    from physicsnemo_shardext.json_schemas import SCHEMAS, validate
+
+    row = {"plugin": "p", "distribution": "d", "version": "1", "status": "loaded", "patches": 0, "stage": "",
+           "reason": "", "not_applicable": [], "problems": "not a list", "load_seconds": "fast", "slow": 1}
+    problems = validate({"schema_version": 3, "handlers": [], "plugins": [row], "errors": []}, SCHEMAS["list"])
+    assert problems == ["$.plugins[0].problems: str is not array", "$.plugins[0].load_seconds: str is not number or null",
+                        "$.plugins[0].slow: int is not boolean"]

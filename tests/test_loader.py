@@ -790,3 +790,310 @@ def test_a_plugin_importing_physicsnemo_nn_loads_cleanly(site, python_runner):
     result = python_runner(code, env={"CUDA_VISIBLE_DEVICES": ""}, path=[str(site)])
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == ["loaded", "failed", "loaded", True, True, []]
+
+
+# -- plugins that provide nothing as written: hooks without @hookimpl, no hooks at all ---------
+
+FORGETFUL = """
+import torch
+from physicsnemo_shardext import hookimpl
+def forgotten_handler(func, types, args, kwargs):
+    return "forgotten"
+{requirements}
+def {name}(patches):                     # no @hookimpl: pluggy never calls it
+    patches.function(torch.logcumsumexp, forgotten_handler)
+"""
+
+HOOKLESS = {
+    "no-hook-at-all": ("import torch\n", "implements no hook: nothing in module {module} carries @hookimpl"),
+    "requirements-only": (
+        "from physicsnemo_shardext import hookimpl\n@hookimpl\ndef shardext_requirements():\n    return {}\n",
+        "implements no shardext_declare_patches hook, so it can never declare a patch",
+    ),
+}
+
+
+def shardext_warnings(caught, needle):
+    return [str(w.message) for w in caught if issubclass(w.category, ShardextWarning) and needle in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [("shardext_declare_patches", ""), ("shardext_declare_patch", " (a misspelling of shardext_declare_patches?)")],
+)
+def test_a_hook_function_without_hookimpl_warns_naming_plugin_version_and_function(
+    site, fresh_registry, pristine_registries, name, meant
+):
+    from physicsnemo_shardext.inventory import plugin_rows
+
+    module = f"forgetful_{name}_mod"
+    install(site, "forgetful-dist", "forgetful", module, FORGETFUL.format(name=name, requirements=""), version="0.4")
+    install(site, "good-dist", "good", f"good_beside_{module}", GOOD.format(tag="g", priority=0))
+    with pytest.warns(ShardextWarning) as caught:
+        reports = load(site, fresh_registry)
+    [message] = shardext_warnings(caught, "forgetful")
+    assert message.startswith("plugin forgetful (forgetful-dist==0.4) provides nothing as written: ")
+    assert f"{name}() is named like the shardext_declare_patches hook{meant} but lacks the @hookimpl marker" in message
+    assert [w.filename for w in caught if "forgetful" in str(w.message)] == [__file__]  # points at the caller
+    report = reports["forgetful"]
+    assert (report.status, report.patches) == (LoadStatus.LOADED, 0)
+    assert shard_registries.current_handler("function", torch.logcumsumexp) is None  # the unmarked hook never ran
+    [row] = [r for r in plugin_rows(fresh_registry) if r["plugin"] == "forgetful"]
+    assert len(row["problems"]) == 1 and "lacks the @hookimpl marker" in row["problems"][0]
+    assert not shardext_warnings(caught, "good-dist") and reports["good"].extra.get("problems") is None
+
+
+def test_an_unmarked_requirements_hook_is_named_beside_working_hooks(site, fresh_registry):
+    # Unmarked, shardext_requirements is never asked: the plugin would load on versions it refuses.
+    requirements = "def shardext_requirements():\n    return {'nvidia-physicsnemo': '>=99'}\n@hookimpl"
+    source = FORGETFUL.format(name="shardext_declare_patches", requirements=requirements)
+    install(site, "half-marked-dist", "half-marked", "half_marked_mod", source)
+    with pytest.warns(ShardextWarning, match=r"half-marked-dist==1.0\) provides nothing as written: shardext_requirements\(\)"):
+        report = load(site, fresh_registry)["half-marked"]
+    assert (report.status, report.patches) == (LoadStatus.LOADED, 1)  # its marked hook did run
+    assert [p.split("()")[0] for p in report.extra["problems"]] == ["shardext_requirements"]
+
+
+@pytest.mark.parametrize("case", sorted(HOOKLESS))
+def test_a_plugin_implementing_no_useful_hook_warns(site, fresh_registry, case):
+    source, expected = HOOKLESS[case]
+    module = f"hookless_{case.replace('-', '_')}_mod"
+    install(site, "hookless-dist", "hookless", module, source, version="2.1")
+    with pytest.warns(ShardextWarning, match=r"plugin hookless \(hookless-dist==2.1\) provides nothing as written"):
+        report = load(site, fresh_registry)["hookless"]
+    assert report.status is LoadStatus.LOADED and report.patches == 0
+    assert report.extra["problems"] == [next(p for p in report.extra["problems"] if expected.format(module=module) in p)]
+
+
+@pytest.mark.parametrize("case", ["unmarked", "no-hook-at-all"])
+def test_hooks_that_provide_nothing_are_fatal_in_strict_mode(site, fresh_registry, pristine_registries, case):
+    from physicsnemo_shardext.errors import PluginHookError
+
+    source = FORGETFUL.format(name="shardext_declare_patches", requirements="") if case == "unmarked" else HOOKLESS[case][0]
+    install(site, "inert-dist", "inert", f"inert_{case.replace('-', '_')}_mod", source, version="0.7")
+    with pytest.raises(PluginLoadError, match=r"'inert' from inert-dist==0.7 failed during hook check: PluginHookError") as error:
+        load(site, fresh_registry, strict=True)
+    assert (error.value.plugin, error.value.stage) == ("inert", "hook check")
+    assert isinstance(error.value.cause, PluginHookError) and error.value.cause.problems
+    assert fresh_registry.plugins() == [] and shard_registries.snapshot() == pristine_registries
+
+
+GATED = """
+import torch
+from physicsnemo_shardext import hookimpl
+def h(func, types, args, kwargs): ...
+@hookimpl
+def shardext_declare_patches(patches):
+    if not hasattr(torch, "no_such_feature_zz"):   # this torch lacks what the patch is for
+        return
+    patches.function(torch.logcumsumexp, h)
+"""
+
+
+def test_declaring_nothing_on_this_setup_is_not_a_problem(site, fresh_registry, recwarn):
+    from physicsnemo_shardext.cli import plugin_health
+    from physicsnemo_shardext.inventory import plugin_rows
+
+    install(site, "gated-dist", "gated", "gated_mod", GATED)
+    install(site, "future-dist", "future", "future_gated_mod", BROKEN["incompatible"])
+    reports = load(site, fresh_registry, strict=False)
+    assert (reports["gated"].status, reports["gated"].patches) == (LoadStatus.LOADED, 0)
+    assert reports["future"].status is LoadStatus.INCOMPATIBLE
+    assert not [w for w in recwarn if "provides nothing" in str(w.message)]
+    rows = {r["plugin"]: r for r in plugin_rows(fresh_registry)}
+    assert rows["gated"]["problems"] == [] and rows["future"]["problems"] == []
+    assert [note.split(":")[0] for note in plugin_health(rows["gated"])] == ["note"]  # shown, not as a PROBLEM
+    gated = [ep for ep in entry_points_in(site) if ep.name == "gated"]
+    strict = PluginLoader(fresh_registry.__class__(), Settings(strict=True)).load_entry_points(gated)
+    assert [r.status for r in strict] == [LoadStatus.LOADED]  # strict mode: fine too
+
+
+def test_no_installed_plugin_is_reported_as_providing_nothing():
+    import physicsnemo_shardext
+
+    reports = physicsnemo_shardext.get_registry().reports()
+    assert reports and all(not r.extra.get("problems") for r in reports), [r.plugin.name for r in reports]
+
+
+def test_a_plugin_object_with_marked_methods_has_no_problem(fresh_registry):
+    from physicsnemo_shardext import hookimpl
+    from physicsnemo_shardext.provenance import PluginInfo
+
+    class Plugin:
+        @hookimpl
+        def shardext_declare_patches(self, patches):
+            patches.function(torch.logcumsumexp, lambda func, types, args, kwargs: None)
+
+    report = PluginLoader(fresh_registry, Settings(strict=True)).load_plugin(Plugin(), PluginInfo("object"))
+    assert (report.status, report.patches, report.extra.get("problems")) == (LoadStatus.LOADED, 1, None)
+
+
+# -- load time: slow plugins are named ---------------------------------------------------------
+
+SLOW = "import time\ntime.sleep({seconds})\n" + GOOD
+
+
+def test_a_slow_plugin_is_named_with_its_load_time(site, fresh_registry):
+    install(site, "slow-dist", "slow", "slow_mod", SLOW.format(seconds=0.5, tag="s", priority=0), version="3.0")
+    install(site, "quick-dist", "quick", "quick_mod", VICTIM)
+    with pytest.warns(ShardextWarning, match=r"plugin slow \(slow-dist==3.0\) took 0\.\d s to load \(its import and "
+                                             r"hooks; SHARDEXT_SLOW_PLUGIN_SECONDS=0.3\)") as caught:
+        reports = load(site, fresh_registry, slow_plugin_seconds=0.3)
+    assert not shardext_warnings(caught, "quick-dist")
+    slow, quick = reports["slow"].extra, reports["quick"].extra
+    assert slow["load_seconds"] >= 0.5 and slow["slow"] is True
+    assert 0 <= quick["load_seconds"] < 0.3 and quick["slow"] is False
+    assert reports["slow"].status is LoadStatus.LOADED
+
+
+def test_a_slow_plugin_is_not_fatal_in_strict_mode_and_the_warning_can_be_switched_off(site, fresh_registry, recwarn):
+    install(site, "slow-dist", "slow", "slow_strict_mod", SLOW.format(seconds=0.3, tag="s", priority=0))
+    with pytest.warns(ShardextWarning, match="took 0.3 s to load"):
+        assert load(site, fresh_registry, strict=True, slow_plugin_seconds=0.1)["slow"].status is LoadStatus.LOADED
+    fresh_registry.remove_all()
+    install(site, "slow-dist", "slow2", "slow_off_mod", SLOW.format(seconds=0.3, tag="s", priority=0))
+    recwarn.clear()
+    report = PluginLoader(fresh_registry, Settings(slow_plugin_seconds=None)).load_entry_points(
+        [ep for ep in entry_points_in(site) if ep.name == "slow2"])[0]
+    assert report.extra["load_seconds"] >= 0.3 and report.extra["slow"] is False
+    assert not [w for w in recwarn if "to load" in str(w.message)]
+
+
+def test_a_failed_plugin_has_its_load_time_too(site, fresh_registry):
+    install(site, "late-fail-dist", "late-fail", "late_fail_mod", "import time\ntime.sleep(0.2)\nraise ImportError('x')\n")
+    with pytest.warns(ShardextWarning, match="failed during import"):
+        report = load(site, fresh_registry)["late-fail"]
+    assert report.status is LoadStatus.FAILED and report.extra["load_seconds"] >= 0.2
+
+
+def test_a_deferred_plugin_loading_inside_another_import_is_timed_apart(site, fresh_registry, awaited):
+    module = awaited()
+    body = "import time\n    time.sleep(0.5)"
+    install(site, "late-dist", "late", "late_mod_timed", deferred_source([module], body))
+    load(site, fresh_registry, slow_plugin_seconds=0.4)  # the loader that defers it loads it later
+    install(site, "importer-dist", "importer", "importer_timed_mod", f"import {module}\n")
+    with pytest.warns(ShardextWarning, match=r"plugin late \(late-dist==1.0\) took 0\.\d s"):
+        reports = load(site, fresh_registry, slow_plugin_seconds=0.4)
+    late = next(r for r in fresh_registry.reports() if r.plugin.name == "late")
+    assert late.status is LoadStatus.LOADED and late.extra["load_seconds"] >= 0.5
+    assert reports["importer"].extra["load_seconds"] < 0.4  # the nested load is not the importer's time
+
+
+# -- re-entrancy: a plugin that loads plugins from its own load --------------------------------
+
+GREEDY = """
+import types
+import torch
+import physicsnemo_shardext
+from physicsnemo_shardext import hookimpl
+def greedy_handler(func, types, args, kwargs):
+    return "greedy"
+if {at_import}:
+    RESULT = {call}
+@hookimpl
+def shardext_declare_patches(patches):
+    if not {at_import}:
+        global RESULT
+        RESULT = {call}
+    patches.function(torch.logcumsumexp, greedy_handler)
+"""
+
+NESTED_CALLS = {
+    "load_plugins": "physicsnemo_shardext.load_plugins()",
+    "load_plugin": "physicsnemo_shardext.load_plugin(types.ModuleType('sub'), 'sub')",
+}
+
+
+def described(snapshot):
+    from physicsnemo_shardext.targets import describe_handler, describe_target
+
+    return {(c.table, describe_target(c.key) if c.key is not None else None, describe_handler(c.after))
+            for c in snapshot}
+
+
+@pytest.mark.parametrize("at_import", [True, False], ids=["import", "hook"])
+@pytest.mark.parametrize("call", sorted(NESTED_CALLS))
+def test_loading_plugins_from_a_plugins_load_is_refused_and_the_outer_load_completes(
+    site, fresh_registry, pristine_registries, call, at_import
+):
+    import physicsnemo_shardext
+
+    module = f"greedy_{call}_{at_import}_mod"
+    install(site, "good-dist", "good", f"good_before_{module}", GOOD.format(tag="g", priority=0))
+    install(site, "greedy-dist", "greedy", module, GREEDY.format(at_import=at_import, call=NESTED_CALLS[call]),
+            version="0.8")
+    install(site, "victim-dist", "victim", f"victim_after_{module}", VICTIM)
+    global_registry = physicsnemo_shardext.get_registry()
+    global_reports = global_registry.reports()
+    with global_registry.sandbox(), pytest.warns(
+        ShardextWarning, match=rf"{call}\(.*\) was called while plugin 'greedy' from greedy-dist==0.8 "
+                               rf"was being loaded \(during {'its import' if at_import else 'shardext_declare_patches'}\)"
+    ) as caught:
+        reports = load(site, fresh_registry)
+        nested_reports = [r for r in global_registry.reports() if r not in global_reports]
+        after = shard_registries.snapshot()
+    assert [w.filename for w in caught if "was called while" in str(w.message)] == [str(site / f"{module}.py")]
+    assert {name: (r.status, r.patches) for name, r in reports.items()} == {
+        "good": (LoadStatus.LOADED, 2), "greedy": (LoadStatus.LOADED, 1), "victim": (LoadStatus.LOADED, 1)}
+    # Exactly what the three plugins declare, every handler live: nothing lost, nothing else added.
+    assert described(pristine_registries.changes(after)) == {
+        ("_function_registry", "torch.roll", f"good_before_{module}.roll_handler"),
+        ("_function_registry", "torch.flip", f"good_before_{module}.roll_handler"),
+        ("_function_registry", "torch.logcumsumexp", f"{module}.greedy_handler"),
+        ("_function_registry", "torch.cumsum", f"victim_after_{module}.victim_handler"),
+    }
+    result = sys.modules[module].RESULT
+    if call == "load_plugins":
+        assert result == [] and nested_reports == []  # the nested call loaded nothing
+    else:  # refused, and said so where doctor looks
+        assert (result.status, result.stage) == (LoadStatus.FAILED, "nested load") and "'greedy'" in result.reason
+        assert nested_reports == [result]
+
+
+def test_a_nested_load_is_fatal_in_strict_mode(site, fresh_registry, pristine_registries, monkeypatch):
+    from physicsnemo_shardext.errors import ReentrantLoadError
+
+    monkeypatch.setenv("SHARDEXT_STRICT", "1")  # what the nested load_plugins() reads
+    install(site, "greedy-dist", "greedy", "greedy_strict_mod",
+            GREEDY.format(at_import=True, call=NESTED_CALLS["load_plugins"]), version="0.8")
+    with pytest.raises(PluginLoadError, match=r"'greedy' from greedy-dist==0.8 failed during import: "
+                                              r"ReentrantLoadError: load_plugins\(\) was called while plugin 'greedy'") as error:
+        load(site, fresh_registry, strict=True)
+    assert isinstance(error.value.cause, ReentrantLoadError) and error.value.cause.plugin == "greedy"
+    assert fresh_registry.plugins() == [] and shard_registries.snapshot() == pristine_registries
+
+
+REGISTRY_PROBE = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import physicsnemo_shardext as s
+from physicsnemo_shardext import shard_registries
+from physicsnemo_shardext.targets import describe_handler, describe_target
+tables = shard_registries.snapshot().as_dicts()
+print(json.dumps({
+    "tables": {t: sorted(f"{describe_target(k)} -> {describe_handler(v)}" for k, v in items.items())
+               for t, items in tables.items() if t != "attributes"},
+    "attributes": sorted(describe_target(k) for k in tables.get("attributes", {})),
+    "reports": sorted([r.plugin.name, r.status.value, r.patches] for r in s.get_registry().reports()),
+    "nested": [str(w.message) for w in caught if "was called while" in str(w.message)],
+}))
+"""
+
+
+def test_registries_after_autoload_with_a_greedy_plugin_equal_a_normal_load(tmp_path, python_runner):
+    """The real thing, in fresh processes: the same plugin with and without a nested load_plugins() at import."""
+    runs = {}
+    for greedy in (False, True):
+        folder = tmp_path / str(greedy)
+        call = NESTED_CALLS["load_plugins"] if greedy else "None"
+        write_plugin_distribution(folder, "greedy-dist", "0.8", {"greedy": "greedy_probe_mod"},
+                                  {"greedy_probe_mod": GREEDY.format(at_import=True, call=call)})
+        result = python_runner(REGISTRY_PROBE, env={"CUDA_VISIBLE_DEVICES": ""}, path=[str(folder)])
+        assert result.returncode == 0, result.stderr
+        runs[greedy] = json.loads(result.stdout.strip().splitlines()[-1])
+    normal, greedy = runs[False], runs[True]
+    assert greedy["tables"] == normal["tables"] and greedy["attributes"] == normal["attributes"]
+    assert greedy["reports"] == normal["reports"] and ["greedy", "loaded", 1] in greedy["reports"]
+    assert "torch.logcumsumexp -> greedy_probe_mod.greedy_handler" in greedy["tables"]["_function_registry"]
+    assert normal["nested"] == [] and len(greedy["nested"]) == 1 and "'greedy' from greedy-dist==0.8" in greedy["nested"][0]

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import (
     InvalidPatchDeclaration,
@@ -271,3 +272,74 @@ def test_old_name_in_shardext_disable_leaves_the_renamed_plugin_uninstalled(pyth
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.strip().splitlines()[-1]
     assert "'indexing_einsum'" not in loaded and "'fft'" in loaded, loaded
+
+
+# -- torch aliases (physicsnemo_shardext.aliases) ---------------------------------------------------------------------
+def test_a_declaration_covers_the_torch_aliases_of_its_target(fresh_registry, pristine_registries):
+    info, declarations = declare("alpha", torch.cat, torch.Tensor.transpose)
+    fresh_registry.add_plugin(info, declarations)
+    cat, transpose = (d.handler for d in declarations)
+    assert current(torch.concat) is current(torch.concatenate) is cat
+    assert current(torch.Tensor.swapaxes) is current(torch.Tensor.swapdims) is transpose
+    assert current(torch.swapaxes) is None  # the function form is another op than the method form
+    record = fresh_registry.provenance(torch.concatenate)
+    assert (record.plugin, record.declaration.alias_of, record.declaration.description) == (info, torch.cat,
+                                                                                             "alias of torch.cat")
+    fresh_registry.remove_all()
+    assert shard_registries.snapshot() == pristine_registries
+
+
+def test_an_explicit_declaration_of_an_alias_beats_an_implied_one(fresh_registry):
+    fresh_registry.add_plugin(*declare("cats", torch.cat, priority=9))
+    fresh_registry.add_plugin(*declare("concats", torch.concat))
+    assert current(torch.concat)(None, None, None, None) == "concats"  # declared, whatever the priority
+    assert current(torch.concatenate)(None, None, None, None) == "cats"
+    assert fresh_registry.provenance(torch.concat).declaration.alias_of is None
+    assert not fresh_registry.conflicts()
+    fresh_registry.remove_plugin("concats")
+    assert current(torch.concat)(None, None, None, None) == "cats"
+
+
+def test_one_plugin_declaring_two_names_of_an_op_prefers_the_canonical(fresh_registry):
+    patches = PatchSet("both")
+    patches.function(torch.concat, make_handler("concat"))
+    patches.function(torch.cat, make_handler("cat"))
+    fresh_registry.add_plugin(PluginInfo("both"), list(patches))
+    assert current(torch.concatenate)(None, None, None, None) == "cat"
+    assert not fresh_registry.conflicts()
+
+
+def test_plugins_meeting_on_an_alias_conflict_there_as_documented(fresh_registry):
+    fresh_registry.add_plugin(*declare("cats", torch.cat))
+    with pytest.warns(ShardextWarning, match="torch.concatenate"):
+        fresh_registry.add_plugin(*declare("concats", torch.concat))
+    assert current(torch.concatenate) is None  # an unresolved tie installs neither
+    assert [(c.target, c.providers) for c in fresh_registry.conflicts()] == [("torch.concatenate", ("cats", "concats"))]
+    fresh_registry.set_prefer(["concats"])
+    assert current(torch.concatenate)(None, None, None, None) == "concats"
+
+
+def test_an_alias_slot_holding_a_handler_needs_override(fresh_registry, pristine_registries):
+    existing = make_handler("existing")
+    ShardTensor._function_registry[torch.concat] = existing
+    fresh_registry.add_plugin(*declare("quiet", torch.cat))
+    assert current(torch.concat) is existing and current(torch.concatenate)(None, None, None, None) == "quiet"
+    fresh_registry.add_plugin(*declare("loud", torch.cat, priority=1, override=True))
+    assert current(torch.concat)(None, None, None, None) == "loud"
+    assert fresh_registry.provenance(torch.concat).replaced is existing
+    fresh_registry.remove_all()
+    assert current(torch.concat) is existing
+
+
+def test_disabling_a_target_disables_its_aliases(fresh_registry):
+    fresh_registry.add_plugin(*declare("alpha", torch.cat))
+    with fresh_registry.disabled(targets=[torch.cat]):
+        assert current(torch.cat) is current(torch.concat) is current(torch.concatenate) is None
+    assert current(torch.concat)(None, None, None, None) == "alpha"
+
+
+def test_a_one_way_alias_follows_its_canonical_op_only(fresh_registry):
+    fresh_registry.add_plugin(*declare("maxes", torch.max))
+    fresh_registry.add_plugin(*declare("minimums", torch.minimum))
+    assert current(torch.maximum)(None, None, None, None) == "maxes"
+    assert current(torch.min) is None  # torch.min(x, dim) is no minimum

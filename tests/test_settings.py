@@ -21,10 +21,13 @@ def test_all_variables_parse():
             "SHARDEXT_STRICT": "yes",
             "SHARDEXT_PREFER": "x, y",
             "SHARDEXT_TRACE": "1",
+            "SHARDEXT_SLOW_PLUGIN_SECONDS": "2.5",
         }
     )
-    assert settings == Settings(False, ("a", "b"), ("c",), True, ("x", "y"), True)
-    read_on_import = {f"SHARDEXT_{n}" for n in ("AUTOLOAD", "DISABLE", "ONLY", "STRICT", "PREFER", "TRACE")}
+    assert settings == Settings(False, ("a", "b"), ("c",), True, ("x", "y"), True, 2.5)
+    read_on_import = {
+        f"SHARDEXT_{n}" for n in ("AUTOLOAD", "DISABLE", "ONLY", "STRICT", "PREFER", "TRACE", "SLOW_PLUGIN_SECONDS")
+    }
     assert set(ENVIRONMENT_VARIABLES) == read_on_import | {"SHARDEXT_TEST_TIMEOUT"}
 
 
@@ -60,3 +63,14 @@ def test_strict_description_covers_incompatible_plugins():
 def test_renamed_plugins_keep_their_old_names(variable, field):
     settings = Settings.from_env({variable: "misc_ops,spectral"})
     assert getattr(settings, field) == ("layout_ops", "indexing_einsum")
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("", 1.0), ("0.25", 0.25), ("0", 0.0), ("off", None), ("None", None)])
+def test_slow_plugin_threshold_parses(value, seconds):
+    assert Settings.from_env({"SHARDEXT_SLOW_PLUGIN_SECONDS": value}).slow_plugin_seconds == seconds
+
+
+@pytest.mark.parametrize("value", ["-1", "fast", "nan"])
+def test_bad_slow_plugin_threshold_names_the_variable(value):
+    with pytest.raises(ValueError, match=f"SHARDEXT_SLOW_PLUGIN_SECONDS='{value}' is not a number of seconds"):
+        Settings.from_env({"SHARDEXT_SLOW_PLUGIN_SECONDS": value})

@@ -170,3 +170,19 @@ def test_compiled_training(rank):
     report = verify_training(tiny_cnn, _batches(1), _layout(1), shard_dim=2, sizes=[3, 2, 4, 0], wrapper="none",
                              steps=2, compile=True)
     assert report.ok, report.format()
+
+
+def test_tensor_errors_come_from_the_one_comparison_rule():
+    from physicsnemo_shardext.comparison import Tolerance, compare
+
+    # issue 29: a zero reference and a 1e-8 difference pass, without a huge relative error
+    near_zero = TensorError.of(compare(torch.full((3,), 1e-8), torch.zeros(3), Tolerance(1e-5, 1e-5)))
+    assert near_zero.passed and near_zero.relative < 1e-2
+    outside = TensorError.of(compare(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1e-3]), Tolerance(1e-5, 1e-5)))
+    assert outside.passed is False and outside.relative == pytest.approx(1e-3)  # normwise: max|a - r| / max|r|
+    report = _report(gradients={"0.weight": near_zero, "0.bias": outside}, atol=1e-5, loss_passed=True)
+    assert not report.ok and report.worst_tensor == "grad 0.bias"
+    text = report.format()
+    assert "rtol=1e-05, atol=1e-05" in text.splitlines()[0] and "OUTSIDE atol + rtol*|r|" in text
+    assert _report(gradients={"0.weight": near_zero}, atol=1e-5, loss_passed=True).ok
+    assert not _report(loss_error=0.0, loss_passed=False).ok  # the loss verdict comes from the rule too

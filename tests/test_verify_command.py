@@ -172,3 +172,22 @@ def test_under_torchrun_every_rank_runs_inline_and_rank_0_reports(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["status"] == "match" and report["ranks"] == 2
     assert result.stdout.count("MATCH:") == 1  # rank 0 prints, the other rank stays quiet
+
+
+def test_rtol_and_atol_flags_set_the_tolerance_and_the_text_states_both():
+    import argparse
+
+    from verify_support.records import rank_record
+
+    from physicsnemo_shardext.comparison import Tolerance
+    from physicsnemo_shardext.model_check import build_report
+    from physicsnemo_shardext.verify_command import add_arguments, config_from_args, render_text
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["m:f", "--rtol", "1e-3", "--atol", "1e-6"]), None)
+    assert config.tolerance == Tolerance(1e-3, 1e-6)
+    assert config_from_args(parser.parse_args(["m:f", "--dtype", "float64"]), None).tolerance == \
+        Tolerance.for_dtype("float64")
+    text = render_text(build_report(config, [rank_record(), rank_record()]))
+    assert "|a - r| <= atol + rtol*|r| per element, rtol 1e-03, atol 1e-06" in text

@@ -17,3 +17,8 @@ def test_page_has_summary_ops_with_bars_and_comparison(tmp_path):
     path = tmp_path / "r.html"
     write_html(report, str(path))
     assert path.read_text() == page
+
+
+def test_page_states_both_parts_of_the_tolerance():
+    page = render_html(build_report(VerifyConfig("m:f"), [_rank(), _rank()]))
+    assert "rtol 1e-04, atol 1e-05" in page and "atol + rtol&middot;|r|" in page

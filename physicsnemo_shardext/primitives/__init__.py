@@ -15,12 +15,16 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
    `transpose_shard`, `resplit_rows` / `align_shard` (boundaries to multiples
    of ``k``, sizes from `aligned_split_sizes`), `gather_full`, and the three gradient contracts
    `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated` (and `summed_over`,
-   the bare sum, inside a hand-written backward);
+   the bare sum, inside a hand-written backward; `linear_backward` keeps such a
+   backward differentiable under ``create_graph=True``, `refuse_higher_order`
+   refuses by name where it cannot be; `builds_graph` tells a second-order
+   backward apart);
    replicated operands through `replicated_local` / `replicated_part`
    (`is_replicated` tells them apart; `elementwise_with_replicated` applies a
    binary op to a shard and a replicated operand);
 5. **compute locally and wrap**: `local_of` (``to_local`` with less host time),
-   `from_local_like`, `build_shard_tensor`, `wrap_local`,
+   `from_local_like`, `build_shard_tensor`, `wrap_local` (`wrap_gradient` inside a backward,
+   `materialized` / `has_internal_overlap` for an expanded gradient block),
    with `tie_to_graph` / `connected_zeros` keeping an empty shard in
    the backward graph, and `sharded_allocations` for factory calls.
 
@@ -39,10 +43,23 @@ Examples:
 from physicsnemo_shardext.primitives.alignment import align_shard, aligned_split_sizes, resplit_rows
 from physicsnemo_shardext.primitives.allocation import sharded_allocations
 from physicsnemo_shardext.primitives.arguments import bind_arguments, expand_to
-from physicsnemo_shardext.primitives.checks import is_partial, is_replicated, normalize_dim, require_shard_input
+from physicsnemo_shardext.primitives.checks import (
+    is_partial,
+    is_replicated,
+    normalize_dim,
+    refuse_untracked_view_update,
+    require_shard_input,
+)
 from physicsnemo_shardext.primitives.compilation import delegate_when_traced, eager_handler, is_tracing, refuse_tracing
 from physicsnemo_shardext.primitives.delegation import delegate, fallback
 from physicsnemo_shardext.primitives.graph import connected_zeros, tie_to_graph
+from physicsnemo_shardext.primitives.higher_order import (
+    builds_graph,
+    has_internal_overlap,
+    linear_backward,
+    materialized,
+    refuse_higher_order,
+)
 from physicsnemo_shardext.primitives.index_exchange import (
     ExchangePlan,
     gather_global_indices,
@@ -68,7 +85,7 @@ from physicsnemo_shardext.primitives.replicated import (
     replicated_part,
 )
 from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
-from physicsnemo_shardext.primitives.wrapping import local_of, wrap_local
+from physicsnemo_shardext.primitives.wrapping import local_of, wrap_gradient, wrap_local
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
@@ -80,6 +97,7 @@ __all__ = [
     "balanced_split_sizes",
     "bind_arguments",
     "build_shard_tensor",
+    "builds_graph",
     "connected_zeros",
     "delegate",
     "delegate_when_traced",
@@ -93,17 +111,22 @@ __all__ = [
     "gather_full",
     "gather_global_indices",
     "halo_indices",
+    "has_internal_overlap",
     "is_partial",
     "is_replicated",
     "is_tracing",
+    "linear_backward",
     "local_of",
+    "materialized",
     "meta_output_shape",
     "move_shard",
     "normalize_dim",
     "plan_exchange",
     "profiled_range",
+    "refuse_higher_order",
     "refuse_tracing",
     "replicated_local",
+    "refuse_untracked_view_update",
     "replicated_part",
     "require_shard_input",
     "resplit_rows",
@@ -116,5 +139,6 @@ __all__ = [
     "summed_over",
     "tie_to_graph",
     "transpose_shard",
+    "wrap_gradient",
     "wrap_local",
 ]

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.wrapping import local_of
@@ -154,7 +155,13 @@ class _Resplit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layout, dim, old, new = ctx.args
-        return _resplit(grad.contiguous(), layout, dim, new, old), None, None, None, None
+        # The reverse re-split; under create_graph=True its own backward is the forward one.
+        back = linear_backward(
+            grad,
+            lambda g: _resplit(g.contiguous(), layout, dim, new, old),
+            lambda t: _resplit(t.contiguous(), layout, dim, old, new),
+        )
+        return back, None, None, None, None
 
 
 def resplit_rows(local: torch.Tensor, layout: DimLayout, sizes: Sequence[int]) -> torch.Tensor:

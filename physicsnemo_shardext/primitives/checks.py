@@ -18,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor
 
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.targets import describe_target
 
-__all__ = ["is_partial", "is_replicated", "normalize_dim", "require_shard_input"]
+__all__ = ["is_partial", "is_replicated", "normalize_dim", "refuse_untracked_view_update", "require_shard_input"]
 
 
 def is_partial(x: Any) -> bool:
@@ -104,3 +105,37 @@ def normalize_dim(func: Callable[..., Any], dim: Any, ndim: int) -> int:
     if not -size <= dim < size:
         raise IndexError(f"{name}: dim {dim} out of range for a {ndim}-d tensor")
     return dim % size
+
+
+def refuse_untracked_view_update(func: Callable[..., Any], x: Any) -> None:
+    """Refuse an in-place update of ``x`` when it is a view autograd does not know of, in a graph being built.
+
+    A handler that returns a view (``t[1:3]``, ``t.transpose(0, 2)``) wraps a view of the
+    local block in a new ShardTensor: the values share storage with ``t``, but autograd
+    sees a fresh tensor, not a view of ``t``. An in-place op on it then changes ``t``'s
+    values without rebasing ``t``'s history, and ``t``'s gradient is silently wrong.
+    Outside autograd (no grad mode, nothing requiring grad) the update is right, and
+    passes; so does one on a view autograd tracks (made at dispatch level).
+
+    Examples:
+        >>> import torch
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> t = shard_tensor(torch.ones(4, 6), mesh, [Shard(1)], [4, 2], requires_grad=True) * 1.0
+        >>> view = t.transpose(0, 1)
+        >>> try:
+        ...     refuse_untracked_view_update(torch.Tensor.mul_, view)
+        ... except MissingShardPatch as error:
+        ...     print(str(error).split(";")[0])
+        torch.Tensor.mul_: in-place update of a view that a shard patch made (autograd would miss the update of its base)
+        >>> with torch.no_grad():
+        ...     refuse_untracked_view_update(torch.Tensor.mul_, view)   # nothing to differentiate: allowed
+    """
+    if not isinstance(x, ShardTensor) or not (x.requires_grad and torch.is_grad_enabled()):
+        return
+    if x._is_view() or x._local_tensor._base is None:
+        return
+    raise MissingShardPatch(
+        f"{describe_target(func)}: in-place update of a view that a shard patch made (autograd would miss the "
+        "update of its base); write it out of place (y = t * 2, torch.cat, or index_put on the base)"
+    )

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout
 from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.wrapping import local_of
@@ -209,38 +210,51 @@ def _accumulate(target: torch.Tensor, rows: tuple[int, ...], values: torch.Tenso
         target.index_add_(0, _index(rows, target.device), values)  # repeats (reflection) accumulate
 
 
+def _gather_rows_by_plan(rows_first: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> torch.Tensor:
+    """The forward exchange: this rank's wanted rows, own ones copied, the others received."""
+    out = rows_first.new_empty((plan.output_rows,) + tuple(rows_first.shape[1:]))
+    if plan.self_rows:
+        _put(out, plan.self_positions, _take(rows_first, plan.self_rows))
+    if plan.crosses:
+        pieces = [_take(rows_first, rows) if rows else rows_first[:0] for rows in plan.send_rows]
+        received = _all_to_all_rows(pieces, [len(p) for p in plan.recv_positions], layout, rows_first)
+        for positions, rows in zip(plan.recv_positions, received):
+            if positions:
+                _put(out, positions, rows)
+    return out
+
+
+def _return_rows_by_plan(grad_out: torch.Tensor, layout: DimLayout, plan: ExchangePlan, local_rows: int) -> torch.Tensor:
+    """The adjoint exchange: what was received goes back to its owner, summed into its rows."""
+    grad = grad_out.new_zeros((local_rows,) + tuple(grad_out.shape[1:]))
+    if plan.self_rows:
+        _accumulate(grad, plan.self_rows, _take(grad_out, plan.self_positions))
+    if plan.crosses:
+        pieces = [_take(grad_out, p) if p else grad_out[:0] for p in plan.recv_positions]
+        returned = _all_to_all_rows(pieces, [len(r) for r in plan.send_rows], layout, grad_out)
+        for rows, values in zip(plan.send_rows, returned):
+            if rows:
+                _accumulate(grad, rows, values)
+    return grad
+
+
 class _GatherGlobalIndices(torch.autograd.Function):
-    """Autograd wrapper; works on the sharded dim moved to the front."""
+    """Autograd wrapper; works on the sharded dim moved to the front. Differentiable at every order."""
 
     @staticmethod
     def forward(ctx, rows_first: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> torch.Tensor:
         ctx.layout, ctx.plan, ctx.local_rows = layout, plan, rows_first.shape[0]
-        device = rows_first.device
-        out = rows_first.new_empty((plan.output_rows,) + tuple(rows_first.shape[1:]))
-        if plan.self_rows:
-            _put(out, plan.self_positions, _take(rows_first, plan.self_rows))
-        if plan.crosses:
-            pieces = [_take(rows_first, rows) if rows else rows_first[:0] for rows in plan.send_rows]
-            received = _all_to_all_rows(pieces, [len(p) for p in plan.recv_positions], layout, rows_first)
-            for positions, rows in zip(plan.recv_positions, received):
-                if positions:
-                    _put(out, positions, rows)
-        return out
+        return _gather_rows_by_plan(rows_first, layout, plan)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        layout, plan = ctx.layout, ctx.plan
-        device = grad_out.device
-        grad = grad_out.new_zeros((ctx.local_rows,) + tuple(grad_out.shape[1:]))
-        if plan.self_rows:
-            _accumulate(grad, plan.self_rows, _take(grad_out, plan.self_positions))
-        if plan.crosses:
-            # The reverse exchange: what we received goes back to its owner, summed into its rows.
-            pieces = [_take(grad_out, p) if p else grad_out[:0] for p in plan.recv_positions]
-            returned = _all_to_all_rows(pieces, [len(r) for r in plan.send_rows], layout, grad_out)
-            for rows, values in zip(plan.send_rows, returned):
-                if rows:
-                    _accumulate(grad, rows, values)
+        layout, plan, local_rows = ctx.layout, ctx.plan, ctx.local_rows
+        # Linear in grad_out: under create_graph=True its own backward is the forward exchange.
+        grad = linear_backward(
+            grad_out,
+            lambda g: _return_rows_by_plan(g, layout, plan, local_rows),
+            lambda t: _gather_rows_by_plan(t, layout, plan),
+        )
         return grad, None, None
 
 

@@ -20,6 +20,11 @@ primitive                         forward           backward             right w
                                                                          every rank
 ================================  ================  ===================  ==============================
 
+Second order (``create_graph=True``): each backward is built from these primitives too,
+so it differentiates again. `sum_grad_over` and `sum_to_replicated` are each other's
+adjoint (a parameter's summed gradient is a replicated value; a replicated cotangent
+that feeds every rank's terms gets its gradient summed), and `all_reduce_sum` is its own.
+
 Design decision (see docs/reference/primitives.md): these use the in-place
 ``torch.distributed`` collectives inside ``torch.autograd.Function`` s, like every
 other exchange in ``primitives/``. ShardTensor's handlers run in eager mode (its
@@ -89,9 +94,10 @@ class _SumGradOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # Through the differentiable sum, so that double backward (create_graph=True) works.
+        # The summed gradient is a replicated value (a parameter's gradient, the same on every rank):
+        # its adjoint is `_SumToReplicated`'s, so a penalty on it (create_graph=True) is not summed twice.
         with profiled_range("shardext.sum_grad_over.backward"):
-            return cast(torch.Tensor, _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
+            return cast(torch.Tensor, _SumToReplicated.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -110,10 +116,15 @@ class _AllReduceSum(torch.autograd.Function):
 class _SumToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
         return summed_over(addend, mesh, mesh_dims)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if torch.is_grad_enabled() and grad.requires_grad:
+            # create_graph=True: the replicated cotangent now feeds every rank's terms, so its own
+            # gradient is a sum over the ranks (`_SumGradOver`, this Function's adjoint).
+            return cast(torch.Tensor, _SumGradOver.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
         return grad, None, None
 
 

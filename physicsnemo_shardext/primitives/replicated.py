@@ -123,8 +123,9 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
     local blocks: no communication, any split. Scalars and non-tensor keyword
     arguments pass through. ``None`` where this does not apply, for the caller to
     delegate: fewer than two tensor operands, a tensor keyword argument, a ``Partial``
-    operand, sharded operands split differently, or a result larger than the sharded
-    operands (broadcasting that enlarges them).
+    operand sharded on some mesh dim, sharded operands split differently, or a result
+    that broadcasting enlarges along a sharded dim or gives more dims. A pending sum
+    (``Partial``, sharded nowhere: ``x.sum(dim, keepdim=True)``) is summed first.
 
     Examples:
         On 2 ranks, a prediction split 3/2 minus a replicated target:
@@ -148,6 +149,7 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if len(positions) < 2:
         return None
+    args = _partial_sums_resolved(args, positions)
     shards = [i for i in positions if isinstance(args[i], ShardTensor) and not is_replicated(args[i])]
     if not shards or any(is_partial(args[i]) for i in positions):
         return None
@@ -177,9 +179,12 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
             return None
         local_args[i] = other
     try:
-        if tuple(torch.broadcast_shapes(*(args[i].shape for i in positions))) != tuple(shard.shape):
-            return None
+        out_shape = tuple(torch.broadcast_shapes(*(args[i].shape for i in positions)))
     except RuntimeError:
+        return None
+    # Broadcasting may enlarge the sharded operands along their other dims (``x.unsqueeze(-1) *
+    # freqs``), never along a sharded one, and may not add dims (their Shard dims would move).
+    if len(out_shape) != shard.ndim or any(out_shape[d] != shard.shape[d] for d in sharded_dims(shard)):
         return None
     what = f"{getattr(func, '__name__', func)}: replicated operand"
     for i in positions:
@@ -188,6 +193,29 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
     local = func(*local_args, **kwargs)
     sizes = {d: layout.sizes for d, layout in sharded_dims(shard).items()}
     return build_shard_tensor(local, mesh, placements, sizes)
+
+
+def _partial_sums_resolved(args: tuple[Any, ...], positions: list[int]) -> tuple[Any, ...]:
+    """``args`` with each pending sum (a ShardTensor ``Partial`` on some mesh dims, sharded on none) summed.
+
+    Only next to a sharded operand: ``x * x.sum(dim, keepdim=True)`` on rows 5/3 went to the
+    DTensor fallback, whose backward sized the blocks as even chunks and failed. The sum is one
+    differentiable all-reduce of the (broadcast) operand's size, as the fallback's forward does.
+    """
+    def pending(a: Any) -> bool:
+        return isinstance(a, ShardTensor) and is_partial(a) and not any(p.is_shard() for p in a._spec.placements)
+
+    def sharded(a: Any) -> bool:
+        return isinstance(a, ShardTensor) and any(p.is_shard() for p in a._spec.placements) and not is_partial(a)
+
+    if not any(pending(args[i]) for i in positions) or not any(sharded(args[i]) for i in positions):
+        return args
+    resolved = list(args)
+    for i in positions:
+        if pending(args[i]):
+            a = args[i]
+            resolved[i] = a.redistribute(a._spec.mesh, [Replicate() if p.is_partial() else p for p in a._spec.placements])
+    return tuple(resolved)
 
 
 def gather_full(x: ShardTensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.wrapping import local_of
@@ -145,7 +146,13 @@ class _MoveShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         layout, src_dim, dst_dim, src_sizes, dst_sizes = ctx.args
-        return _exchange(grad, layout, src_dim, src_sizes, dst_dim, dst_sizes), None, None, None, None, None
+        # The reverse exchange; under create_graph=True its own backward is the forward one.
+        back = linear_backward(
+            grad,
+            lambda g: _exchange(g, layout, src_dim, src_sizes, dst_dim, dst_sizes),
+            lambda t: _exchange(t, layout, dst_dim, dst_sizes, src_dim, src_sizes),
+        )
+        return back, None, None, None, None, None
 
 
 def move_shard(

@@ -17,6 +17,12 @@ give the same tensors and the same gradients:
   (mesh, placements, sharding shapes, local shape, dtype), through a Function
   whose backward is PhysicsNeMo's own ``from_local`` backward.
 
+Both backwards stay differentiable under ``create_graph=True`` (the gradient is
+wrapped through `_Wrap` and unwrapped through `_LocalView` in turn, see
+`wrap_gradient`), and a first-order gradient that is an expanded view (the
+backward of a sum or mean) is copied once before it is wrapped, so it can be
+accumulated into a leaf's ``.grad`` in place by the next backward.
+
 Anything else (a DTensor, a plain tensor) goes to its own ``to_local``.
 
 Examples:
@@ -42,7 +48,9 @@ from physicsnemo.domain_parallel._shard_tensor_spec import _infer_shard_tensor_s
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-__all__ = ["local_of", "wrap_local"]
+from physicsnemo_shardext.primitives.higher_order import builds_graph, materialized
+
+__all__ = ["local_of", "wrap_gradient", "wrap_local"]
 
 _TO_LOCAL_BACKWARD = _shard_tensor_module._ToTorchTensor.backward
 _FROM_LOCAL_BACKWARD = _shard_tensor_module._FromTorchTensor.backward
@@ -68,12 +76,13 @@ class _LocalView(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         spec = ctx.shard_tensor_spec
-        if spec._sharding_shapes is None:  # PhysicsNeMo infers the shapes (a collective): its own backward
-            return _TO_LOCAL_BACKWARD(ctx, grad)[0]
-        # What that backward builds (the input's layout, a pending sum read as complete), from the cache.
-        placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-        grad_spec = _spec_for(grad, spec.mesh, placements, spec._sharding_shapes)
-        return ShardTensor(grad, grad_spec, requires_grad=grad.requires_grad)
+        if spec._sharding_shapes is None:  # PhysicsNeMo infers the shapes (a collective): its backward's spec
+            grad_spec = _TO_LOCAL_BACKWARD(ctx, grad.detach())[0]._spec
+        else:
+            # What that backward builds (the input's layout, a pending sum read as complete), from the cache.
+            placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+            grad_spec = _spec_for(grad, spec.mesh, placements, spec._sharding_shapes)
+        return wrap_gradient(grad, grad_spec)
 
 
 class _Wrap(torch.autograd.Function):
@@ -87,7 +96,35 @@ class _Wrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        if type(grad) is ShardTensor and builds_graph(grad):
+            # PhysicsNeMo's backward, with the unwrap through `_LocalView` so a graph is kept.
+            target = tuple(Replicate() if p.is_partial() else p for p in ctx.previous_placement)
+            if tuple(grad.placements) != target:
+                grad = grad.redistribute(grad._spec.mesh, target)
+            return local_of(grad), None
         return _FROM_LOCAL_BACKWARD(ctx, grad)[0], None
+
+
+def wrap_gradient(local: torch.Tensor, spec: Any) -> ShardTensor:
+    """A gradient's local block as a ShardTensor with ``spec``, for the inside of a ``backward``.
+
+    Under ``create_graph=True`` (grad mode on and ``local`` in a graph) the wrap
+    is differentiable (`_Wrap`); otherwise it is a plain wrapper, and an
+    expanded ``local`` (stride 0: the backward of a sum or mean) is copied first,
+    since a leaf's ``.grad`` may be that very tensor and the next backward adds
+    into it in place.
+
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.ones(6, 2), mesh, [Shard(0)], [4, 2])
+        >>> g = wrap_gradient(torch.ones(1, 1).expand(x.to_local().shape), x._spec)
+        >>> g._local_tensor.stride()
+        (2, 1)
+    """
+    if builds_graph(local):
+        return _Wrap.apply(local, spec)
+    return ShardTensor(materialized(local), spec, requires_grad=local.requires_grad)
 
 
 def local_of(x: Any) -> torch.Tensor:

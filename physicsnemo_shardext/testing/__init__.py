@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "Mismatch": "conformance",
     # models
     "redraw_zero_parameters": "model_init",
+    "without_random_masks": "model_init",
     # communication accounting
     "CommCounter": "comm_accounting",
     "CommStats": "comm_accounting",
@@ -101,7 +102,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         rank_test_environment,
         registry_sandbox_context,
     )
-    from physicsnemo_shardext.testing.model_init import redraw_zero_parameters
+    from physicsnemo_shardext.testing.model_init import redraw_zero_parameters, without_random_masks
     from physicsnemo_shardext.testing.partial import partial_tensor, partial_values
     from physicsnemo_shardext.testing.placeholders import mesh_for
     from physicsnemo_shardext.testing.sharding import (

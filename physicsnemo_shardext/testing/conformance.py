@@ -8,7 +8,8 @@
 then compares the outputs (``full_tensor()``), the outputs' placements, the
 input gradients, every parameter gradient and every buffer after the run
 (running statistics, counters), using a deterministic random
-cotangent sharded like the output. Mismatches from all ranks are gathered and
+cotangent sharded like the output. Every tensor is compared by the one rule of
+`physicsnemo_shardext.comparison` (``|a - r| <= atol + rtol * |r|`` per element). Mismatches from all ranks are gathered and
 raised on every rank as one `ConformanceError` (an ``AssertionError``)
 that names the tensor, the max abs error and the ranks.
 
@@ -61,6 +62,7 @@ from torch.utils._pytree import tree_leaves
 
 from physicsnemo.domain_parallel import ShardTensor
 
+from physicsnemo_shardext.comparison import Comparison, Tolerance, compare
 from physicsnemo_shardext.errors import MissingShardPatch, ShardextError
 from physicsnemo_shardext.testing.comm_accounting import CommCounter, PhaseCommStats
 from physicsnemo_shardext.trace import HandlerCall, HandlerRecorder
@@ -104,16 +106,29 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One failed comparison: ``what`` (e.g. ``"gradient of parameter 'weight'"``), where and by how much."""
+    """One failed comparison: ``what`` (e.g. ``"gradient of parameter 'weight'"``), where and by how much.
+
+    ``comparison`` is the `Comparison` of a tensor outside its tolerance (the worst over the ranks).
+
+    Examples:
+        >>> Mismatch("output[0]", "shape (3,) != reference (4,)", ranks=(0,)).describe()
+        'output[0]: shape (3,) != reference (4,) (rank(s) [0])'
+    """
 
     what: str
     detail: str
     max_abs_error: float | None = None
     ranks: tuple[int, ...] = ()
+    comparison: Comparison | None = None
 
     def describe(self) -> str:
         """One line for the error message."""
         error = "" if self.max_abs_error is None else f"max abs error {self.max_abs_error:.3e}; "
+        found = self.comparison
+        if found is not None:
+            where = f", worst at {list(found.worst_index)}" if found.worst_index else ""
+            error = (f"max abs error {found.max_abs_error:.3e}, max rel error {found.max_rel_error:.3e}{where} "
+                     f"({found.mismatched} of {found.numel} elements outside); ")
         return f"{self.what}: {error}{self.detail} (rank(s) {list(self.ranks)})"
 
 
@@ -145,6 +160,8 @@ class ConformanceReport:
     """What a passing check measured on this rank."""
 
     max_abs_errors: dict[str, float] = field(default_factory=dict)
+    #: Every compared tensor's `Comparison` on this rank (both errors, worst element), by name.
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
     output_placements: list[tuple[Placement, ...] | None] = field(default_factory=list)
     comms: PhaseCommStats | None = None
     #: ``(device_type, dtype)`` when the check ran under ``torch.autocast``, else ``None``.
@@ -157,8 +174,9 @@ class ConformanceReport:
 
     def __str__(self) -> str:
         worst = max(self.max_abs_errors.values(), default=0.0)
+        relative = max((c.max_rel_error for c in self.comparisons.values()), default=0.0)
         under = "" if self.autocast is None else f" under {_describe_autocast(self.autocast)}"
-        return f"conformant{under} (worst abs error {worst:.2e}); comms {self.comms}"
+        return f"conformant{under} (worst abs error {worst:.2e}, worst rel error {relative:.2e}); comms {self.comms}"
 
 
 # -- autocast -------------------------------------------------------------------------------
@@ -283,26 +301,26 @@ def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
 def _compare(
     what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
     mismatches: list[Mismatch], errors: dict[str, float], *, check_dtype: bool = True, note: str = "",
+    results: dict[str, Comparison] | None = None,
 ) -> None:
+    """Compare by the one rule (`physicsnemo_shardext.comparison.compare`); record the error, note a mismatch."""
     if expected is None and actual is None:
         return
     if actual is None or expected is None:
         missing = "sharded run" if actual is None else "reference"
         mismatches.append(Mismatch(what, f"no gradient in the {missing}"))
         return
-    if actual.shape != expected.shape:
-        mismatches.append(Mismatch(what, f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"))
+    result = compare(actual, expected, Tolerance(rtol, atol), check_dtype=check_dtype)
+    if result.problem:
+        extra = note if result.problem.startswith("dtype") else ""
+        mismatches.append(Mismatch(what, f"{result.problem}{extra}"))
         return
-    if check_dtype and actual.dtype != expected.dtype:
-        mismatches.append(Mismatch(what, f"dtype {actual.dtype} != reference {expected.dtype}{note}"))
-        return
-    actual, expected = actual.detach(), expected.detach()
-    # Complex values are compared as complex (.double() would drop the imaginary part).
-    wide = torch.complex128 if actual.is_complex() or expected.is_complex() else torch.float64
-    error = (actual.to(wide) - expected.to(wide)).abs().max().item() if actual.numel() else 0.0
-    errors[what] = error
-    if not torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
-        mismatches.append(Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}{note}", error))
+    errors[what] = result.max_abs_error
+    if results is not None:
+        results[what] = result
+    if not result.passed:
+        mismatches.append(Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}{note}", result.max_abs_error,
+                                   comparison=result))
 
 
 def _gathered(value: torch.Tensor) -> tuple[torch.Tensor, tuple[Placement, ...] | None]:
@@ -368,13 +386,15 @@ class _AutocastTolerance:
         self, what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
         mismatches: list[Mismatch], errors: dict[str, float],
     ) -> None:
+        """`_compare` with ``atol`` widened by the reference's own autocast error (see `check_conformance`)."""
         error, scale = self.reference_error(what, expected)
         used = max(atol, self.factor * scale)
         self.report.autocast_reference_errors[what] = error
         self.report.autocast_atols[what] = used
         note = (f"; autocast reference vs fp32 error {error:.3e}, "
                 f"atol = max({atol:g}, {self.factor:g} x max(that, eps x max|reference|))")
-        _compare(what, actual, expected, rtol, used, mismatches, errors, check_dtype=True, note=note)
+        _compare(what, actual, expected, rtol, used, mismatches, errors, check_dtype=True, note=note,
+                 results=self.report.comparisons)
 
 
 def _full_precision_results(
@@ -407,6 +427,7 @@ def _full_precision_results(
 def _compare_buffers(
     sharded: torch.nn.Module, reference: torch.nn.Module, rtol: float, atol: float,
     mismatches: list[Mismatch], errors: dict[str, float], tolerance: _AutocastTolerance | None = None,
+    results: dict[str, Comparison] | None = None,
 ) -> None:
     """Buffers after the run (running stats, counters) must equal the reference's, on every rank.
 
@@ -424,7 +445,7 @@ def _compare_buffers(
             replicated = all(isinstance(p, Replicate) for p in actual.placements)
             actual = actual.to_local() if replicated else actual.full_tensor()
         if tolerance is None:
-            _compare(what, actual, ref_buffer, rtol, atol, mismatches, errors)
+            _compare(what, actual, ref_buffer, rtol, atol, mismatches, errors, results=results)
         else:
             tolerance.compare(what, actual, ref_buffer, rtol, atol, mismatches, errors)
 
@@ -451,10 +472,13 @@ def _merge(per_rank: list[list[Mismatch]]) -> list[Mismatch]:
             key = (m.what, m.detail)
             previous = merged.get(key)
             if previous is None:
-                merged[key] = Mismatch(m.what, m.detail, m.max_abs_error, (rank,))
+                merged[key] = Mismatch(m.what, m.detail, m.max_abs_error, (rank,), m.comparison)
             else:
                 errors = [e for e in (previous.max_abs_error, m.max_abs_error) if e is not None]
-                merged[key] = Mismatch(m.what, m.detail, max(errors) if errors else None, previous.ranks + (rank,))
+                found = [c for c in (previous.comparison, m.comparison) if c is not None]
+                worst = max(found, key=lambda c: (c.max_abs_error, c.worst_ratio)) if found else None
+                merged[key] = Mismatch(m.what, m.detail, max(errors) if errors else None, previous.ranks + (rank,),
+                                       worst)
     return list(merged.values())
 
 
@@ -572,8 +596,10 @@ def check_conformance(
         inputs: full inputs, identical on every rank; non-tensors are passed through.
         shardings: one `ShardSpec` for all tensor inputs, or one per input
             (``None``: pass that input unsharded).
-        rtol: relative tolerance for outputs.
-        atol: absolute tolerance for outputs.
+        rtol: relative tolerance for outputs (and buffers). Every tensor is compared by the
+            one rule of `physicsnemo_shardext.comparison`: ``|a - r| <= atol + rtol * |r|``
+            per element, NaN matching NaN.
+        atol: absolute tolerance for outputs (and buffers).
         grad_rtol: relative tolerance for gradients (default: ``rtol``).
         grad_atol: absolute tolerance for gradients (default: ``atol``).
         expected_placements: ``"input"`` (default: every output keeps the first sharded
@@ -658,7 +684,8 @@ def check_conformance(
 
     def compare(what: str, actual: Any, expected: Any, rtol_: float, atol_: float) -> None:
         if tolerance is None:
-            _compare(what, actual, expected, rtol_, atol_, mismatches, report.max_abs_errors)
+            _compare(what, actual, expected, rtol_, atol_, mismatches, report.max_abs_errors,
+                     results=report.comparisons)
         else:
             tolerance.compare(what, actual, expected, rtol_, atol_, mismatches, report.max_abs_errors)
 
@@ -696,7 +723,8 @@ def check_conformance(
         if isinstance(fn, torch.nn.Module):
             _compare_param_grads(sharded, reference, params, compare, grad_rtol, grad_atol, mismatches, who)
     if isinstance(fn, torch.nn.Module) and not forward.failed:
-        _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors, tolerance)
+        _compare_buffers(sharded, reference, rtol, atol, mismatches, report.max_abs_errors, tolerance,
+                         report.comparisons)
     if backend is not None and not mismatches:
         # Only a conformant eager run is worth comparing the compiled one with.
         _check_compiled(fn, inputs, specs, params, kwargs, seed, backend, compare,

@@ -1,4 +1,4 @@
-"""Re-draw a model's zero-initialised parameters before comparing it sharded against single-process.
+"""Prepare a model for a comparison against single-process: zero-initialised parameters re-drawn, no random masks.
 
 Many models start with an output layer at exactly zero: SongUNet's attention
 projection and last convolution, DiT's adaLN-zero modulation, ControlNet-style
@@ -7,6 +7,10 @@ front of it leaves the output (and most gradients) equal to single-process: a
 conformance check passes while the model is wrong. `redraw_zero_parameters`
 gives every parameter that is exactly zero seeded random values (the same on
 every rank), so that every layer reaches the output.
+
+`without_random_masks` sets dropout and drop-path (stochastic depth)
+probabilities to 0: a random mask is drawn per rank for its own rows, so no
+sharded run could reproduce single-process's.
 
 Examples:
     >>> import torch
@@ -27,7 +31,11 @@ import math
 
 import torch
 
-__all__ = ["redraw_zero_parameters"]
+__all__ = ["redraw_zero_parameters", "without_random_masks"]
+
+#: Attributes through which drop-path (stochastic depth) modules hold their probability
+#: (PhysicsNeMo's and timm's ``DropPath``: ``drop_prob``).
+DROP_PATH_ATTRIBUTES = ("drop_prob", "drop_path_prob")
 
 #: The spread of a re-drawn vector (biases, norm scales): small, so activations stay in range.
 VECTOR_STD = 0.1
@@ -67,6 +75,27 @@ def redraw_zero_parameters(model: torch.nn.Module, seed: int = 0) -> list[str]:
             param.copy_(values.to(param.dtype))
             redrawn.append(name)
     return redrawn
+
+
+def without_random_masks(model: torch.nn.Module) -> list[str]:
+    """Set every dropout and drop-path probability of ``model`` to 0, in place; return the modules changed.
+
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+        >>> without_random_masks(net), net[1].p
+        (['1'], 0.0)
+    """
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
+            module.p = 0.0
+            changed.append(name)
+        for attribute in DROP_PATH_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, float) and value:
+                setattr(module, attribute, 0.0)
+                changed.append(name)
+    return changed
 
 
 def _stable_hash(text: str) -> int:

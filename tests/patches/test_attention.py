@@ -647,3 +647,21 @@ def test_batch_sharded_sdpa_with_a_trainable_per_sample_mask(domain_mesh, split)
     mask = torch.randn(4, 1, 6, 6, generator=g)
     spec = ShardSpec(domain_mesh, [Shard(0)], split)
     check_conformance(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m), [q, k, v, mask], [spec, spec, spec, None])
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("layout", ["tokens", "qkv-views"])
+@pytest.mark.parametrize("split", [[10, 6], [8, 8]], ids=["uneven", "even"])
+def test_non_contiguous_query_key_value(domain_mesh, layout, split):
+    # SongUNet's attention: tokens from x.flatten(2).transpose(1, 2), q/k/v as qkv[..., i, :] views
+    # of a permuted tensor. torch's fused CPU kernel, fed those strides directly by the ring, returned
+    # outputs of 1e35 and NaN; F.scaled_dot_product_attention checks strides before choosing it.
+    def fn(x):
+        if layout == "tokens":
+            tokens = x.flatten(2).transpose(1, 2).unsqueeze(1)
+            return F.scaled_dot_product_attention(tokens, tokens, tokens)
+        qkv = x.reshape(1, 2, 2, 3, -1).permute(0, 1, 4, 3, 2)  # (B, heads, L, 3, C/heads)
+        return F.scaled_dot_product_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :])
+
+    x = torch.randn(1, 4 if layout == "tokens" else 12, 16, 3)
+    check_conformance(fn, [x], ShardSpec(domain_mesh, [Shard(2)], split), expected_placements=None)

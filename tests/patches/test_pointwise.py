@@ -238,10 +238,76 @@ def test_binary_ops_it_does_not_take_are_delegated(domain_mesh):
     partial = ShardTensor.from_local(torch.ones(2, 4), domain_mesh, [Partial()], sharding_shapes={})
     with physicsnemo_shardext.disabled(plugins=["pointwise"]):
         expected = [(x * 2.0).full_tensor(), (x - x).full_tensor()]
-    # A scalar and two ShardTensors go to the fallback, which gives the same result.
+    # A scalar goes to the fallback; two ShardTensors split alike run locally: the same result.
     torch.testing.assert_close(binary_with_replicated(torch.mul, (), (x, 2.0), {}).full_tensor(), expected[0])
     torch.testing.assert_close(binary_with_replicated(torch.sub, (), (x, x), {}).full_tensor(), expected[1])
-    # A Partial operand is delegated as well: the fallback sums it first.
+    # A Partial operand (a pending sum, sharded nowhere) is summed first, as the fallback does.
     torch.testing.assert_close(
         binary_with_replicated(torch.mul, (), (x, partial), {}).full_tensor(), (x.full_tensor() * 2.0)
     )
+
+
+class _Modulated(torch.nn.Module):
+    """``op`` of a sharded activation and per-channel parameters (SongUNet's adaptive scale and shift)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.scale = torch.nn.Parameter(torch.randn(1, 3, 1, 1))
+        self.shift = torch.nn.Parameter(torch.randn(1, 3, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.scale, self.shift
+        if self.op == "addcmul":
+            return torch.addcmul(shift, x, scale + 1)
+        if self.op == "addcdiv":
+            return torch.addcdiv(shift, x, scale * scale + 1, value=0.5)
+        if self.op == "lerp":
+            return torch.lerp(x, shift, 0.3)
+        if self.op == "maximum":
+            return torch.maximum(x, shift)
+        if self.op == "minimum":
+            return x.minimum(shift)
+        if self.op == "where":
+            return torch.where(x > 0, x * scale, shift)
+        if self.op == "add_":
+            y = x * 1.0
+            y.add_(shift)  # used after the statement, not through its return value
+            return y * scale
+        raise AssertionError(self.op)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv", "lerp", "maximum", "minimum", "where", "add_"])
+@pytest.mark.parametrize("split", [[8, 3], [11, 0]], ids=["uneven", "empty"])
+def test_elementwise_ops_with_replicated_parameters_give_whole_gradients(domain_mesh, op, split):
+    # With the fallback these gave every parameter a pending Partial(sum) gradient (addcmul,
+    # lerp, maximum: right value, wrong placement for an optimizer), where() raised a shape
+    # error, and y.add_(p) left y's history stale (its inputs got the old value's gradient).
+    check_conformance(_Modulated(op), [torch.randn(1, 3, 11, 4)], ShardSpec(domain_mesh, [Shard(2)], split))
+
+
+@pytest.mark.multirank(2)
+def test_comparisons_and_conversions_keep_an_uneven_split(domain_mesh):
+    full = torch.randn(2, 8, 3)
+    x = shard_tensor(full, domain_mesh, [Shard(1)], [5, 3])
+    for op in (lambda t: t > 0, lambda t: torch.ge(t, 0.1), lambda t: t.ne(0.0), lambda t: t.type(torch.int64),
+               lambda t: t.double(), lambda t: (t > 0).float(), lambda t: t.long()):
+        result = op(x)
+        assert result.placements == (Shard(1),) and result.to_local().shape[1] == [5, 3][domain_mesh.get_local_rank()]
+        torch.testing.assert_close(result.full_tensor(), op(full))
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("case", ["enlarging-broadcast", "pending-sum", "pending-mean"])
+def test_broadcasts_that_enlarge_the_block_and_pending_sums(domain_mesh, case):
+    # FIGConvNet/DoMINO's Fourier features: x.unsqueeze(-1) * freqs enlarges the block along an
+    # unsharded dim (the fallback raised a shape error); x * x.sum(dim, keepdim=True) met a Partial
+    # sum whose fallback backward sized the blocks as even chunks and failed.
+    freqs = torch.randn(1, 1, 1, 2)
+    fn = {
+        "enlarging-broadcast": lambda t: t.unsqueeze(-1) * freqs,
+        "pending-sum": lambda t: t * (t * t).sum(dim=1, keepdim=True),
+        "pending-mean": lambda t: t / (t.abs().mean(dim=1, keepdim=True) + 1.0),
+    }[case]
+    check_conformance(fn, [torch.randn(1, 8, 3)], ShardSpec(domain_mesh, [Shard(1)], [5, 3]))

@@ -106,13 +106,16 @@ def test_each_primitive_opens_its_profiler_range(domain_mesh):
 def test_backward_is_differentiable_for_double_backward(domain_mesh, rank, name):
     # The gradient of a gradient (create_graph=True: gradient penalties, PINN residuals
     # of derivatives) goes back through the backward's own sum.
-    primitive, _, sums_backward = CONTRACTS[name]
+    primitive, _, _ = CONTRACTS[name]
     group = _group(domain_mesh, [0], rank)
     value = _value(rank).requires_grad_()
     cotangent = _cotangent(rank).requires_grad_()
     (grad,) = torch.autograd.grad(primitive(value, domain_mesh, [0]), value, cotangent, create_graph=True)
     (grad * _value(rank)).sum().backward()
-    expected = sum(_value(r) for r in group) if sums_backward else _value(rank)
+    # Second order differentiates the backward's collective: all_reduce_sum's is itself; sum_grad_over's
+    # summed gradient is a replicated value (a parameter's gradient), so its adjoint is the identity
+    # (sum_to_replicated's), and sum_to_replicated's identity backward sums its gradient in turn.
+    expected = sum(_value(r) for r in group) if name in ("all_reduce_sum", "sum_to_replicated") else _value(rank)
     torch.testing.assert_close(cotangent.grad, expected, rtol=0, atol=0, msg=f"{name} double backward on rank {rank}")
 
 

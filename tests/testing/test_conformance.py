@@ -400,3 +400,22 @@ def test_compile_option_is_validated(domain_mesh):
         check_conformance(torch.tanh, [torch.randn(2, 17)], spec, compile=3)
     with pytest.raises(ValueError, match="cannot be combined"):
         check_conformance(torch.tanh, [torch.randn(2, 17)], spec, compile=True, autocast=torch.bfloat16)
+
+
+def test_comparisons_use_the_one_rule_near_zero_and_name_the_worst_element():
+    from physicsnemo_shardext.testing.conformance import ConformanceReport, Mismatch, _compare, _merge
+
+    report, mismatches = ConformanceReport(), []
+    # A zero-initialised layer's gradient, 1e-8 off its exactly zero reference: within atol, no mismatch.
+    _compare("gradient of parameter 'q'", torch.full((4, 4), 1e-8), torch.zeros(4, 4), 1e-4, 1e-5, mismatches,
+             report.max_abs_errors, results=report.comparisons)
+    assert not mismatches and report.max_abs_errors["gradient of parameter 'q'"] == pytest.approx(1e-8)
+    assert report.comparisons["gradient of parameter 'q'"].max_rel_error < 1e-2
+    wrong = torch.zeros(4, 4)
+    wrong[3, 0] = 1.0
+    _compare("output[0]", wrong, torch.zeros(4, 4), 1e-4, 1e-5, mismatches, report.max_abs_errors)
+    (mismatch,) = _merge([mismatches, mismatches])  # the same on both ranks: one entry
+    assert mismatch.ranks == (0, 1) and mismatch.comparison is not None
+    text = mismatch.describe()
+    assert text.startswith("output[0]: max abs error 1.000e+00, max rel error") and "worst at [3, 0]" in text
+    assert "(1 of 16 elements outside); not within rtol=0.0001, atol=1e-05" in text

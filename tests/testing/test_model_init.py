@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from physicsnemo_shardext.testing import redraw_zero_parameters
+from physicsnemo_shardext.testing import redraw_zero_parameters, without_random_masks
 
 
 def _zeroed_model() -> torch.nn.Module:
@@ -49,3 +49,18 @@ def test_a_redrawn_output_layer_reaches_the_output():
     assert not model(x).any()
     redraw_zero_parameters(model)
     assert model(x).abs().sum() > 0
+
+
+class _DropPath(torch.nn.Module):
+    """A stochastic-depth module holding its probability as ``drop_prob`` (PhysicsNeMo's and timm's)."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+
+def test_random_masks_are_switched_off():
+    model = torch.nn.Sequential(torch.nn.Dropout(0.2), _DropPath(0.3), torch.nn.Dropout2d(0.0), _DropPath(0.0))
+    assert without_random_masks(model) == ["0", "1"]
+    assert model[0].p == 0.0 and model[1].drop_prob == 0.0
+    assert without_random_masks(model) == []
