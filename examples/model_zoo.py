@@ -55,6 +55,8 @@ class ZooModel:
             DTensor parameters) or ``"plain"`` (DDP's plain parameters).
         expected_placements: the output placements to check (``"input"``: the first
             sharded input's; ``None``: not checked, where the output has other dims).
+        placements_2d: the same on the 2x2 mesh.
+        refused_2d: on the 2x2 mesh, the ``MissingShardPatch`` expected (op name, ``:``, why).
         slow: a long cell (over about 20 s on 2 CPU cores), run with ``--run-slow``.
     """
 
@@ -71,6 +73,8 @@ class ZooModel:
     kwargs: dict[str, Any] = field(default_factory=dict)
     params: str = "distribute"
     expected_placements: Any = "input"
+    placements_2d: Any = "input"
+    refused_2d: str = ""
     slow: bool = False
 
     def specs(self, mesh: Any, inputs: list[torch.Tensor], two_d: bool = False) -> list[Any]:
@@ -193,26 +197,25 @@ def dlwp() -> Built:
     return model, [x]
 
 
-def one2many_rnn() -> Built:
-    """One2ManyRNN: a convolutional GRU unrolled from one time step to several (2-D)."""
-    from physicsnemo.models.rnn import One2ManyRNN
+def _conv_rnn(name: str, steps_in: int) -> Built:
+    """A small 2-D convolutional GRU of ``physicsnemo.models.rnn`` on ``steps_in`` input steps."""
+    from physicsnemo.models import rnn
 
     torch.manual_seed(0)
-    model = One2ManyRNN(input_channels=2, dimension=2, nr_latent_channels=4, nr_residual_blocks=1,
-                        nr_downsamples=1, nr_tsteps=3)
-    (x,) = _seeded((1, 2, 1, 16, 12))
+    model = getattr(rnn, name)(input_channels=2, dimension=2, nr_latent_channels=4, nr_residual_blocks=1,
+                               nr_downsamples=1, nr_tsteps=3)
+    (x,) = _seeded((1, 2, steps_in, 16, 12))
     return model, [x]
+
+
+def one2many_rnn() -> Built:
+    """One2ManyRNN: a convolutional GRU unrolled from one time step to several (2-D)."""
+    return _conv_rnn("One2ManyRNN", 1)
 
 
 def seq2seq_rnn() -> Built:
     """Seq2SeqRNN: a convolutional GRU encoder-decoder over a sequence of fields (2-D)."""
-    from physicsnemo.models.rnn import Seq2SeqRNN
-
-    torch.manual_seed(0)
-    model = Seq2SeqRNN(input_channels=2, dimension=2, nr_latent_channels=4, nr_residual_blocks=1,
-                       nr_downsamples=1, nr_tsteps=3)
-    (x,) = _seeded((1, 2, 3, 16, 12))
-    return model, [x]
+    return _conv_rnn("Seq2SeqRNN", 3)
 
 
 def fno2d() -> Built:
@@ -530,6 +533,10 @@ def healda() -> Built:
     return model, [x, torch.tensor([0.5]), *obs, *calendar, torch.zeros(1, 0)]
 
 
+#: FNO's, AFNO's and DiT's output on a 2x2 mesh: values and every gradient match; the decoder's (or
+#: unpatchify's) reshape merging H and W gives W back replicated.
+_W_GATHERED = "2x2 mesh: the output comes back with W replicated (the decoder's reshape merges H and W)"
+
 #: Why a model is compared with DDP's plain parameters: a plain (replicated) tensor it takes or makes
 #: meets a parameter in a matmul, which DTensor refuses when distribute_module made that parameter a
 #: DTensor ("aten.mm got mixed torch.Tensor and DTensor"); with DDP parameters nothing is mixed.
@@ -552,22 +559,33 @@ ZOO: dict[str, ZooModel] = {
                      note="DDP parameters (distribute_module's meet a plain tensor in aten.mm: DTensor refuses "
                      "mixed Tensor/DTensor); Tensor.__setitem__ (dpot.py:172, 177) gathers an activation"),
     "pangu": ZooModel("pangu", pangu, dims=(2, 3), split=(6, 2), split_2d=((4, 4), (8, 8)), expected_placements=None,
-                      note="the surface output comes back Replicate (a Tensor.__getitem__ gathers it)"),
-    "fengwu": ZooModel("fengwu", fengwu, dims=(2, 3), split=(6, 2), split_2d=((4, 4), (8, 8)), slow=True),
+                      refused_2d="torch.nn.functional.conv_transpose2d: on the 2x2 mesh the patch recovery "
+                      "meets W's shard moved to the channel dim",
+                      note="the surface output comes back Replicate (a Tensor.__getitem__ gathers it); 2x2 mesh: "
+                      "refused at conv_transpose2d (input sharded along the channel dim)"),
+    "fengwu": ZooModel("fengwu", fengwu, dims=(2, 3), split=(6, 2), split_2d=((4, 4), (8, 8)), slow=True,
+                       placements_2d=None,
+                       note="matches, but its 3-D window attention gathers whole activations (78 gathers): "
+                       "correct, not memory-parallel"),
     "swinrnn": ZooModel("swinvrnn", swinrnn, dims=(3, 4), split=(10, 6), split_2d=((10, 6), (8, 8)),
-                        expected_placements=[Shard(2)], slow=True, note="output (B, C, H, W): H is dim 2"),
+                        expected_placements=[Shard(2)], placements_2d=[Shard(2), Shard(3)], slow=True,
+                        note="output (B, C, H, W): H is dim 2; its Swin windows gather whole activations (28 gathers)"),
     "dlwp": ZooModel("dlwp", dlwp, dims=(3, 4), split=(5, 3), outcome="refused",
                      note="torch.cat: the cubed-sphere padding concatenates a neighbour face's edge rows along the "
                      "sharded dim (pieces split differently)"),
     "one2many_rnn": ZooModel("rnn", one2many_rnn, dims=(3, 4), split=(10, 6), split_2d=((10, 6), (8, 4))),
     "seq2seq_rnn": ZooModel("rnn", seq2seq_rnn, dims=(3, 4), split=(10, 6), split_2d=((10, 6), (8, 4))),
-    "fno2d": ZooModel("fno", fno2d, dims=(2, 3), split=(9, 8), split_2d=((9, 8), (7, 5))),
-    "fno3d": ZooModel("fno", fno3d, dims=(2, 3), split=(5, 4), split_2d=((5, 4), (4, 2))),
-    "afno": ZooModel("afno", afno, dims=(2, 3), split=(12, 20), split_2d=((12, 20), (8, 8))),
+    "fno2d": ZooModel("fno", fno2d, dims=(2, 3), split=(9, 8), split_2d=((9, 8), (7, 5)), placements_2d=None,
+                      note=_W_GATHERED),
+    "fno3d": ZooModel("fno", fno3d, dims=(2, 3), split=(5, 4), split_2d=((5, 4), (4, 2)), placements_2d=None,
+                      note=_W_GATHERED),
+    "afno": ZooModel("afno", afno, dims=(2, 3), split=(12, 20), split_2d=((12, 20), (8, 8)), placements_2d=None,
+                     note=_W_GATHERED),
     "unet3d": ZooModel("unet", unet3d, dims=(2, 3), split=(12, 4), split_2d=((12, 4), (4, 4))),
     "pix2pix": ZooModel("pix2pix", pix2pix, dims=(2, 3), split=(13, 11), split_2d=((13, 11), (11, 9))),
     "srrn": ZooModel("srrn", srrn, dims=(2, 3), split=(6, 4), split_2d=((5, 5), (4, 3))),
-    "dit": ZooModel("dit", dit, dims=(2, 3), split=(6, 2), split_2d=((6, 2), (4, 4))),
+    "dit": ZooModel("dit", dit, dims=(2, 3), split=(6, 2), split_2d=((6, 2), (4, 4)), placements_2d=None,
+                    note=_W_GATHERED),
     "transolver": ZooModel("transolver", transolver, dims=(1,), split=(9, 7), sharded=(0, 1)),
     "geotransolver": ZooModel("geotransolver", geotransolver, dims=(1,), split=(9, 7), sharded=(0, 3), params="plain",
                               note="DDP parameters: with distribute_module's, the replicated global vector meets "

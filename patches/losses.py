@@ -96,7 +96,8 @@ from physicsnemo_shardext.primitives import (
 )
 
 __all__ = [
-    "class_loss", "elementwise_loss", "l1_loss_drops_weight", "l1_loss_keeping_weight", "sharded_mean",
+    "class_loss", "elementwise_loss", "l1_loss_drops_weight", "l1_loss_keeping_weight", "local_extremum",
+    "sharded_mean",
     "sharded_norm", "sharded_variance",
 ]
 
@@ -653,6 +654,44 @@ _NORMS: tuple[Callable[..., Any], ...] = (torch.linalg.vector_norm, torch.linalg
 
 
 
+def _extremum(input: Any, dim: Any = (), keepdim: bool = False, *, out: Any = None) -> None:
+    """``torch.amax``/``torch.amin`` and their ``Tensor`` methods."""
+
+
+#: Max and min over dims: over unsharded dims they are local (each rank's rows are whole).
+_EXTREMA: tuple[Callable[..., Any], ...] = (torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin)
+
+
+@eager_handler
+def local_extremum(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``x.amax(dim)`` / ``x.amin(dim)`` over unsharded dims on the local block; the split is kept.
+
+    The DTensor fallback sized the result as ``torch.chunk``'s blocks and failed on other
+    splits (``x.amax(dim=3)`` of rows 5/3). Over a sharded dim the fallback's
+    ``Partial(max)`` result is right and is delegated to, as are ``Partial`` inputs.
+
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.arange(16.0).reshape(8, 2)
+        >>> m = local_extremum(torch.amax, (), (shard_tensor(full, mesh, [Shard(0)], [5, 3]),), {"dim": 1})
+        >>> m.placements, torch.equal(m.full_tensor(), full.amax(dim=1))
+        ((Shard(dim=0),), True)
+    """
+    a = bind_arguments(_extremum, args, kwargs)
+    x, keepdim = a["input"], bool(a["keepdim"])
+    if not isinstance(x, ShardTensor) or is_partial(x) or a["out"] is not None:
+        return delegate(func, types, args, kwargs)
+    reduced = _reduced_dims(a["dim"], x.ndim)
+    if reduced & set(sharded_dims(x)):
+        return delegate(func, types, args, kwargs)
+    name = getattr(func, "__name__", "amax")
+    local = getattr(torch, name)(local_of(x), dim=tuple(sorted(reduced)), keepdim=keepdim)
+    return _norm_output(local, x, reduced, keepdim)
+
+
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the loss and norm handlers."""
@@ -672,6 +711,9 @@ def shardext_declare_patches(patches: PatchSet) -> None:
     for variance in _VARIANCE_OPS:
         patches.function(variance, sharded_variance,
                          description="var/std over sharded dims: all-reduced mean, then squared deviations")
+    for extremum in _EXTREMA:
+        patches.function(extremum, local_extremum,
+                         description=f"{extremum.__name__} over unsharded dims on the local block (no communication)")
     for norm in _NORMS:
         patches.function(norm, sharded_norm,
                          description="p-norm over sharded dims: local sum of |x|^p, one all-reduce, root")

@@ -289,7 +289,15 @@ def _public_name(target: Any) -> str | None:
 
 def _op_db_pairs() -> dict[tuple[str, str], bool]:
     """``{(canonical, alias): both_ways}`` from the ``aliases`` of torch's OpInfos (function, method, in-place)."""
+    import torch.backends
+
+    frozen = torch.backends.flags_frozen()
     from torch.testing._internal.common_methods_invocations import op_db
+
+    if not frozen and torch.backends.flags_frozen():
+        # Importing torch's test utilities freezes torch.backends' global flags (a side effect meant
+        # for torch's own test-suite); later `torch.backends.cudnn.x = ...` would raise. Undo it.
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 
     names_by_op: dict[Any, list[frozenset[str]]] = {}
     for info in op_db:

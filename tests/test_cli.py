@@ -28,8 +28,8 @@ def test_list_json_has_provenance_of_every_handler():
     conv = rows[("torch.nn.functional.conv2d", "function")]  # first-party override of a built-in
     assert conv["provider"] == "convolution" and conv["overrides_builtin"] is True
     assert conv["replaced"].startswith("physicsnemo.domain_parallel.shard_utils.conv_patches.")
-    unbind = rows[("torch.unbind", "function")]
-    assert unbind["provider"] == "physicsnemo" and unbind["distribution"].startswith("nvidia-physicsnemo==2.2")
+    unsqueeze = rows[("torch.unsqueeze", "function")]
+    assert unsqueeze["provider"] == "physicsnemo" and unsqueeze["distribution"].startswith("nvidia-physicsnemo==2.2")
     assert rows[("aten.view.default", "dispatch")]["provider"] == "physicsnemo"
     assert any(p["plugin"] == "pointwise" and p["status"] == "loaded" for p in data["plugins"])
 
@@ -188,10 +188,10 @@ def test_replaced_builtin_is_flagged(registry_snapshot):
     import torch
     from physicsnemo.domain_parallel import ShardTensor
 
-    ShardTensor._function_registry[torch.unbind] = _overwrite
-    unbind = _rows()[("torch.unbind", "function")]
-    assert unbind["recorded_handler"].startswith("physicsnemo.") and unbind["drift"] is True
-    assert "built-in" in unbind["drift_reason"] and "outside the framework" in unbind["drift_reason"]
+    ShardTensor._function_registry[torch.unsqueeze] = _overwrite
+    unsqueeze = _rows()[("torch.unsqueeze", "function")]
+    assert unsqueeze["recorded_handler"].startswith("physicsnemo.") and unsqueeze["drift"] is True
+    assert "built-in" in unsqueeze["drift_reason"] and "outside the framework" in unsqueeze["drift_reason"]
 
 
 # -- plugins never kill the command -------------------------------------------------------------

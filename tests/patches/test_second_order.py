@@ -212,7 +212,7 @@ def test_amax_accumulates_on_an_even_split(domain_mesh):
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.xfail(strict=True, reason="amax has no shard patch: the DTensor fallback infers torch.chunk shard "
-                   "shapes for its result, and an uneven split fails in the forward (issue 29 follow-up)")
 def test_amax_on_an_uneven_split(domain_mesh):
+    # Over an unsharded dim amax runs on the local block (losses family's local_extremum); the DTensor
+    # fallback sized its result as even chunks and failed in the forward on rows 5/3.
     _accumulate(domain_mesh, AMAX, [5, 3])
