@@ -602,10 +602,10 @@ ZOO: dict[str, ZooModel] = {
         note="faces split: the padding's per-face torch.split/indexing gathers the faces, output comes back "
         "Replicate"),
     "figconvunet": ZooModel(
-        "figconvnet", figconvunet, dims=(1,), split=(37, 27), expected_placements=None, outcome="not domain-parallel",
-        note="its warp radius search (warp_neighbor_search: wp.from_torch and wp.HashGrid.build on the points) "
-        "reads the tensor's memory directly, not through a torch op, so no shard patch can see it; on a "
-        "ShardTensor both ranks crash (SIGSEGV). Not run by the tests"),
+        "figconvnet", figconvunet, dims=(1,), split=(37, 27), expected_placements=None, outcome="refused",
+        note="physicsnemo.models.figconvnet.warp_neighbor_search.batched_radius_search_warp: its warp radius "
+        "search reads the points' memory directly (wp.from_torch), which no shard patch sees; it crashed both ranks "
+        "(SIGSEGV) until the figconvnet plugin refused it by name"),
     "domino_volume": ZooModel(
         "domino", domino_volume, dims=(1,), split=(7, 5), sharded=(0, 1, 2, 3), params="plain",
         outcome="not domain-parallel",
