@@ -882,10 +882,10 @@ def split_local(
     """``split`` / ``chunk`` / ``tensor_split`` along an unsharded dim: pieces of the local block.
 
     The pieces keep the input's placements and split, e.g. a fused ``qkv`` projection cut into
-    q, k and v on a sequence split 5/4. Along a sharded dim, or for a ``Partial`` input, the
-    DTensor fallback runs as before this plugin; on a mesh of more than one dim a sharded split
-    dim is gathered first and the pieces are cut locally (the fallback assumed ``torch.chunk``'s
-    rows there). ``unbind``: `unbind_gathering_sharded_dim`.
+    q, k and v on a sequence split 5/4. A ``Partial`` input goes to the DTensor fallback as
+    before this plugin. Along a sharded dim that dim is gathered first and the pieces are cut
+    locally (the fallback assumed ``torch.chunk``'s rows on a 2-D mesh, and one piece's backward
+    failed on any mesh). ``unbind``: `unbind_gathering_sharded_dim`.
 
     Examples:
         >>> from torch.distributed.tensor import Shard
@@ -899,13 +899,15 @@ def split_local(
     if not isinstance(x, ShardTensor) or is_partial(x):
         return fallback(func, args, kwargs)  # as before this plugin
     dim = kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
-    if x.ndim and x._spec.mesh.ndim > 1 and int(dim) % x.ndim in _row_counts(x):
-        # On a 2-D mesh the fallback labels the pieces with torch.chunk's rows: a shape error on
-        # uneven shards of any dim (tests/patches/test_layout_fuzz.py). Gather the split dim: the
-        # pieces are then local, and keep the other dims' splits.
+    if x.ndim and int(dim) % x.ndim in _row_counts(x):
+        # Along a sharded dim the fallback's pieces failed: on a 2-D mesh it labels them with
+        # torch.chunk's rows (a shape error on uneven shards), and on any mesh the backward of one
+        # piece met plain zero gradients for the unused ones ("mixed torch.Tensor and DTensor";
+        # tests/patches/test_layout_fuzz.py). Gather the split dim (what the fallback's forward did
+        # too): the pieces are then local, and keep the other dims' splits.
         return split_local(func, types, (gather_dims(x, [int(dim) % x.ndim]), *rest), kwargs)
-    if x.ndim == 0 or int(dim) % x.ndim in _row_counts(x):
-        return fallback(func, args, kwargs)  # along a sharded dim (or torch's own error): as before this plugin
+    if x.ndim == 0:
+        return fallback(func, args, kwargs)  # torch's own error
     return tuple(from_local_like(piece, x) for piece in func(local_of(x), *rest, **kwargs))
 
 

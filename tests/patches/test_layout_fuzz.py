@@ -57,13 +57,10 @@ STRICT_ENV = "SHARDEXT_FUZZ_STRICT"
 #: gave silently wrong gradients, is now refused while a graph is built and counts as a refusal;
 #: test_fuzz_in_place_update_of_a_handler_view_is_refused.)
 KNOWN_SILENT_OPS: tuple[str, ...] = ()
-#: The backward of split/chunk along a sharded dim (the DTensor fallback) with an unused piece: autograd
-#: fills its gradient with a plain zeros tensor and aten.cat refuses the mix
-#: (test_one_piece_of_a_split_along_the_sharded_dim_backpropagates).
 #: The backward of group_norm of a batch-sharded input with an empty shard, on a 2x2 mesh, after a
 #: flatten moved the shard to the batch dim: a reshape error in the normalization family
 #: (test_group_norm_after_a_flatten_with_an_empty_shard_backpropagates).
-KNOWN_ERRORS = ("got mixed torch.Tensor and DTensor", "is invalid for input of size")
+KNOWN_ERRORS = ("is invalid for input of size",)
 
 
 def _strict() -> bool:
