@@ -511,7 +511,8 @@ def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | Non
         raise refusal_of_uneven_result(func, args, kwargs, error) or error
     finally:
         _FALLBACK_OP.reset(token)
-    if target is not None and result is not target and isinstance(result, ShardTensor) and torch.is_grad_enabled():
+    if (target is not None and result is not target and isinstance(result, ShardTensor) and torch.is_grad_enabled()
+            and (result.shape, result.dtype) == (target.shape, target.dtype)):
         result = _UpdatedInPlace.apply(target, result)
     return refuse_partial_avg(func, args, kwargs, result)
 
@@ -540,10 +541,23 @@ class _UpdatedInPlace(torch.autograd.Function):
         return None, grad
 
 
+#: The augmented-assignment operators (``x += y``): in place, unlike other ``__i...__`` names
+#: (``__invert__`` is ``~x``, ``__index__``, ``__int__``, ``__iter__`` read only).
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+                            "lshift", "rshift")
+)
+
+
 def _in_place(func: Callable) -> bool:
-    """``x.mul_(...)``, ``x += ...``: a method that updates its first argument."""
+    """``x.mul_(...)``, ``x += ...``: a method that updates its first argument.
+
+    Examples:
+        >>> _in_place(torch.Tensor.mul_), _in_place(torch.Tensor.__iadd__), _in_place(torch.Tensor.__invert__)
+        (True, True, False)
+    """
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name != "__init__")
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_OPERATORS
 
 
 #: What PhysicsNeMo's spec inference says when a fallback result's local blocks are not

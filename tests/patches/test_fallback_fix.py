@@ -376,3 +376,18 @@ def test_an_op_whose_fallback_result_is_sized_as_even_chunks_is_refused_by_name(
         x.rot90(1, (-2, -1))
     even = shard_tensor(torch.arange(48.0).reshape(2, 8, 3), domain_mesh, [Shard(1)], [4, 4])
     torch.testing.assert_close(even.rot90(2, (-2, -1)).full_tensor(), even.full_tensor().rot90(2, (-2, -1)))
+
+
+@pytest.mark.multirank(2)
+def test_operators_named_like_in_place_ones_leave_their_operand_alone(domain_mesh):
+    # ~mask (Tensor.__invert__) starts with "__i" but is not in place: it must not be mistaken for
+    # `mask ^= ...` and have its result written back into mask.
+    full = torch.tensor([True, False, True, True, False, False, True, False])
+    mask = shard_tensor(full, domain_mesh, [Shard(0)], [5, 3])
+    inverted = ~mask
+    torch.testing.assert_close(inverted.full_tensor(), ~full)
+    torch.testing.assert_close(mask.full_tensor(), full)
+    values = shard_tensor(torch.arange(8.0), domain_mesh, [Shard(0)], [5, 3], requires_grad=True)
+    negated = -(values * 1.0)  # __neg__: not in place either
+    torch.testing.assert_close(negated.full_tensor(), -torch.arange(8.0))
+
