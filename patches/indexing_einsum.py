@@ -301,14 +301,16 @@ def sharded_setitem(
     if is_partial(target):
         raise MissingShardPatch(
             f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements} (the DTensor "
-            "fallback fails too: aten.fill_.Tensor has no sharding strategy); redistribute the target first"
+            "fallback fails too, or from torch 2.15 writes the value into every rank's partial sum); "
+            "redistribute the target first"
         )
     try:
         plan = plan_index(target, index)
     except _Unsupported as why:
         raise MissingShardPatch(
             f"torch.Tensor.__setitem__ on a ShardTensor with index {index!r}: {why} (the DTensor fallback fails "
-            "too: an in-place fill_/index_put_ on a sharded target has no strategy)"
+            "too: an in-place fill_/index_put_ on a sharded target has no strategy, or from torch 2.15 writes "
+            "the wrong rows)"
         ) from None
     region = local_of(target)[plan.local_index]
     value_local = _value_for_region(value, target, plan, region)

@@ -87,6 +87,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     local_of,
+    output_dtype_under_autocast,
     profiled_range,
     replicated_local,
     sharded_dims,
@@ -170,9 +171,12 @@ def _opmath(local: torch.Tensor) -> torch.Tensor:
     return local.float() if local.dtype in _REDUCED_PRECISION else local
 
 
-def _as_input(y: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """torch returns a bf16/fp16 input's dtype, whatever the parameters' dtype."""
-    return y.to(local.dtype) if local.dtype in _REDUCED_PRECISION else y
+def _as_input(y: torch.Tensor, local: torch.Tensor, aten_op: str) -> torch.Tensor:
+    """torch returns a bf16/fp16 input's dtype, whatever the parameters' dtype, unless autocast
+    runs ``aten_op`` in float32 (layer/group/RMS norm on CUDA), which returns float32."""
+    if local.dtype not in _REDUCED_PRECISION:
+        return y
+    return y.to(output_dtype_under_autocast(aten_op, local))
 
 
 def _refuse_sharded(layouts: dict[int, DimLayout], dims: Sequence[int], ndim: int, op: str, what: str) -> None:
@@ -337,7 +341,8 @@ def batch_norm_handler(
             raise MissingShardPatch(f"{op}: eval mode without running statistics is not supported")
         weight, bias = _param(a["weight"], x, op, "weight"), _param(a["bias"], x, op, "bias")
         mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
-        return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
+        y = _scale_and_shift(_opmath(local), mean, var, eps, weight, bias)
+        return from_local_like(_as_input(y, local, "aten::batch_norm"), x)
     dims = [0] + list(range(2, ndim))
     count = _count(x, dims)
     if count <= 1:
@@ -352,7 +357,7 @@ def batch_norm_handler(
     momentum = a["momentum"] if a["momentum"] is not None else 0.0
     _update_running(running_mean, mean.flatten(), momentum)
     _update_running(running_var, var.flatten() * (count / (count - 1)), momentum)
-    return from_local_like(_as_input(y, local), x)
+    return from_local_like(_as_input(y, local, "aten::batch_norm"), x)
 
 
 def _grouped_view(local: torch.Tensor, groups: int) -> tuple[int, ...]:
@@ -487,12 +492,13 @@ def instance_norm_handler(
                 stats = all_reduce_sum(stats, x._spec.mesh, batch_mesh_dims) / n
             _update_running(running_mean, stats[0], a["momentum"])
             _update_running(running_var, stats[1] * (count / (count - 1)), a["momentum"])
-        return from_local_like(_as_input(y, local), x)
+        return from_local_like(_as_input(y, local, "aten::instance_norm"), x)
     if running_mean is None or running_var is None:
         raise MissingShardPatch(f"{op}: use_input_stats=False without running statistics is not supported")
     mean, var = _channel_view(running_mean, ndim), _channel_view(running_var, ndim)
     weight, bias = _param(a["weight"], x, op, "weight"), _param(a["bias"], x, op, "bias")
-    return from_local_like(_as_input(_scale_and_shift(_opmath(local), mean, var, eps, weight, bias), local), x)
+    y = _scale_and_shift(_opmath(local), mean, var, eps, weight, bias)
+    return from_local_like(_as_input(y, local, "aten::instance_norm"), x)
 
 
 #: torch's forms of F.group_norm / F.layer_norm (their aliases): a trailing cuDNN flag F's forms lack.
@@ -530,7 +536,7 @@ def group_norm_handler(
         x._spec.mesh, tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
         groups_n, (n_channels // groups_n) * _count(x, spatial), a["eps"],
     )[0]
-    return from_local_like(_as_input(y, local), x)
+    return from_local_like(_as_input(y, local, "aten::group_norm"), x)
 
 
 # -- layer norm and RMS norm ----------------------------------------------------------------
@@ -582,7 +588,7 @@ def layer_norm_handler(
         y = y * weight
     if bias is not None:
         y = y + bias
-    return from_local_like(_as_input(y, local), x)
+    return from_local_like(_as_input(y, local, "aten::layer_norm"), x)
 
 
 @eager_handler
@@ -606,7 +612,7 @@ def rms_norm_handler(
     y = work * torch.rsqrt(square / _count(x, dims) + eps)
     if weight is not None:
         y = y * weight
-    return from_local_like(_as_input(y, local), x)
+    return from_local_like(_as_input(y, local, "aten::rms_norm"), x)
 
 
 NORMALIZATION_TARGETS: dict[Callable[..., Any], FunctionHandler] = {

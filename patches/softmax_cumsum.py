@@ -75,6 +75,7 @@ from physicsnemo_shardext.primitives import (
     linear_backward,
     local_of,
     normalize_dim,
+    output_dtype_under_autocast,
     require_shard_input,
 )
 
@@ -181,7 +182,9 @@ def sharded_softmax(
         work = local.float() if local.dtype in (torch.bfloat16, torch.float16) else local
         shifted, log_total = _sharded_log_softmax_local(work, layout)
         out = shifted - log_total if kind == "log_softmax" else (shifted - log_total).exp()
-        out = out.to(local.dtype)
+        # CUDA autocast runs softmax in float32 and returns float32 when no dtype is given.
+        aten_op = "aten::log_softmax.int" if kind == "log_softmax" else "aten::softmax.int"
+        out = out.to(local.dtype if bound["dtype"] is not None else output_dtype_under_autocast(aten_op, local))
     return from_local_like(out, x)
 
 

@@ -289,6 +289,10 @@ def _write_listing(handlers: list[dict[str, Any]], plugins: list[dict[str, Any]]
     if waiting:
         out.write("\nPlugins waiting for a module (installed right after it is imported):\n")
         _table(waiting, ["plugin", "distribution", "version", "status", "reason"], out)
+    yielded = [dict(p, yielded=line) for p in plugins for line in p.get("yielded_to_builtins", [])]
+    if yielded:
+        out.write("\nFirst-party handlers that stepped aside for a newer PhysicsNeMo's built-in (upstream drift):\n")
+        _table(yielded, ["plugin", "version", "yielded"], out)
     problems = [p for p in plugins if p["status"] not in ("loaded", "deferred")]
     if problems:
         out.write("\nPlugins not installed:\n")
@@ -374,6 +378,8 @@ def _write_doctor_plugins(report: dict[str, Any], out: TextIO) -> None:
             out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {detail['reason']}\n")
         for skipped in detail["not_applicable"]:
             out.write(f"    {detail['plugin']}: not needed here, not installed: {skipped}\n")
+        for yielded in detail.get("yielded_to_builtins", []):
+            out.write(f"    {detail['plugin']}: upstream drift, not installed: {yielded}\n")
         for note in plugin_health(detail):
             out.write(f"    {detail['plugin']} ({detail['distribution']}=={detail['version']}): {note}\n")
     _write_doctor_load_times(report, out)
@@ -431,6 +437,10 @@ def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
         out.write("Versions\n")
         for name, version in report["versions"].items():
             out.write(f"  {name:22} {version}\n")
+        support = report.get("torch_support") or {}
+        if support.get("in_declared_range") is False:
+            out.write(f"  torch {support['torch']} (release {support['release']}) is OUTSIDE the range this package "
+                      f"declares and tests, torch{support['declared']}\n")
         out.write("Backends\n")
         for name, available in report["backends"].items():
             out.write(f"  {name:22} {available}\n")

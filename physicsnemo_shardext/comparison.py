@@ -53,13 +53,15 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_TOLERANCES", "RULE", "Comparison", "Tolerance", "compare"]
+__all__ = ["DEFAULT_TOLERANCES", "RULE", "Comparison", "Tolerance", "compare", "exact_float32"]
 
 #: The rule in one line (the text reports print).
 RULE = "|a - r| <= atol + rtol * |r| elementwise; rel = max|a - r| / max(max|r|, atol)"
@@ -234,3 +236,31 @@ def compare(actual: Tensor, expected: Tensor, tolerance: Tolerance | None = None
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     return Comparison(mismatched == 0, max_abs, max_rel, tolerance, worst_index, worst_ratio, mismatched, numel,
                       reference_scale=float(finite_r.abs().max()) if finite_r.numel() else 0.0)
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """Switch TF32 off (matmuls and cuDNN convolutions) while two runs are compared; restore it after.
+
+    On Ampere and newer GPUs cuDNN convolutions use TF32 by default, which rounds float32
+    products to 10 mantissa bits (about 1e-3 relative). A sharded run picks other kernels
+    than the single-process one (other shapes), so two correct runs would differ by far
+    more than the float32 tolerance (measured on an H100: FNO's output 3e-4 relative,
+    a UNet's gradients up to 1e-1). With TF32 off, both runs compute in float32.
+
+    Examples:
+        >>> with exact_float32():
+        ...     torch.backends.cudnn.allow_tf32
+        False
+    """
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+

@@ -21,9 +21,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from packaging.specifiers import InvalidSpecifier
+
 from physicsnemo_shardext.errors import InvalidPatchDeclaration
 from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel, SlotKey
 from physicsnemo_shardext.targets import describe_target, lookup_keys, resolve_slot, validate_handler
+from physicsnemo_shardext.torch_support import torch_in
 
 __all__ = ["DispatchHandler", "FunctionHandler", "PatchDeclaration", "PatchSet"]
 
@@ -116,9 +120,35 @@ class PatchSet:
         priority: int = 0,
         override: bool = False,
         description: str = "",
+        needed_on_torch: str | None = None,
     ) -> None:
-        """Declare a patch; raises `InvalidPatchDeclaration` naming plugin and target."""
+        """Declare a patch; raises `InvalidPatchDeclaration` naming plugin and target.
+
+        ``needed_on_torch`` (a PEP 440 range such as ``"<2.15"``) says on which torch
+        releases the patch is needed: elsewhere (a newer torch keeps the op sharded and
+        correct through DTensor) it is not declared and `not_applicable` records why, so
+        ``shardext doctor`` can say that it stepped aside.
+
+        Examples:
+            >>> patches = PatchSet("demo")
+            >>> def handler(func, types, args, kwargs): ...
+            >>> patches.declare(torch.roll, handler, needed_on_torch="<1.0")
+            >>> len(patches), patches.not_applicable[0][1].startswith("needed on torch<1.0 only")
+            (0, True)
+        """
         name = describe_target(target)
+        if needed_on_torch is not None:
+            try:
+                needed = torch_in(needed_on_torch)
+            except InvalidSpecifier:
+                raise InvalidPatchDeclaration(
+                    self.plugin, name, f"needed_on_torch={needed_on_torch!r} is not a version range"
+                ) from None
+            if not needed:
+                self.not_applicable.append(
+                    (name, f"needed on torch{needed_on_torch} only; torch {torch.__version__} handles it without")
+                )
+                return
         try:
             resolved_level, key = resolve_slot(target, level)
             name = describe_target(key)

@@ -115,6 +115,9 @@ def _adopt_existing_process_group() -> None:
     # Follow the group's backend: a gloo group on a GPU machine computes on CPU.
     on_gpu = dist.get_backend() == "nccl"
     manager._device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
+    # PhysicsNeMo's initialize_mesh builds a CUDA mesh whenever ``cuda`` is set, which on a
+    # gloo group sets a device per rank (rank 1 of 2 on one GPU: "invalid device ordinal").
+    manager._cuda = on_gpu
     manager._initialization_method = "adopted"
     if on_gpu:
         torch.cuda.set_device(manager._device)
@@ -201,7 +204,13 @@ def shutdown(barrier: bool = True) -> None:
     collective). Pass ``barrier=False`` on an error path, where a peer may never arrive.
     """
     if DistributedManager.is_initialized():
-        DistributedManager.cleanup(barrier=barrier and dist.is_available() and dist.is_initialized())
+        live = dist.is_available() and dist.is_initialized()
+        if barrier and live and dist.get_backend() != "nccl":
+            # PhysicsNeMo's cleanup barrier names device_ids=[local_rank]: on a GPU machine
+            # whose ranks fell back to gloo (more ranks than GPUs), rank 1 has no cuda:1.
+            dist.barrier()
+            barrier = False
+        DistributedManager.cleanup(barrier=barrier and live)
     elif dist.is_available() and dist.is_initialized():
         if barrier:
             dist.barrier()

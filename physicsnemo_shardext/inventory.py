@@ -33,6 +33,7 @@ from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo_shardext import shard_registries
 from physicsnemo_shardext.baseline import baseline, handler_origin
 from physicsnemo_shardext.requirements import installed_version
+from physicsnemo_shardext.torch_support import support_report
 from physicsnemo_shardext.provenance import InstalledPatch, LoadStatus, PluginInfo
 from physicsnemo_shardext.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
@@ -369,6 +370,8 @@ def plugin_rows(registry: PatchRegistry) -> list[dict[str, Any]]:
             "reason": report.reason,
             # Attribute replacements whose applies() check found nothing to fix here.
             "not_applicable": [f"{target}: {why}" for target, why in report.extra.get("not_applicable", [])],
+            # First-party declarations a newer PhysicsNeMo built-in now covers (upstream drift).
+            "yielded_to_builtins": [f"{target}: {why}" for target, why in report.extra.get("yielded_to_builtins", [])],
             "problems": list(report.extra.get("problems", [])),
             "load_seconds": _load_seconds(report.extra),
             "slow": bool(report.extra.get("slow", False)),
@@ -436,6 +439,7 @@ def doctor_report(registry: PatchRegistry, run: Runner = _direct) -> dict[str, A
     return {
         "schema_version": SCHEMA_VERSION,
         "versions": run("doctor: versions", _versions, {}),
+        "torch_support": run("doctor: torch support", support_report, {}),
         "backends": run("doctor: backends", _backends, {}),
         "settings": run("doctor: settings", lambda: Settings.from_env().__dict__, {}),
         "plugins": run("doctor: plugins", lambda: _plugins_by_status(registry), {s.value: [] for s in LoadStatus}),

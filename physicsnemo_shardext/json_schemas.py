@@ -39,7 +39,7 @@ def _array(items: dict[str, Any]) -> dict[str, Any]:
 _PLUGIN_ROW = _object({
     "plugin": _STR, "distribution": _nullable(_STR), "version": _nullable(_STR), "status": _STR, "patches": _INT,
     "stage": _nullable(_STR), "reason": _nullable(_STR), "not_applicable": _array(_STR),
-}, problems=_array(_STR), load_seconds=_nullable(_NUM), slow=_BOOL)
+}, problems=_array(_STR), load_seconds=_nullable(_NUM), slow=_BOOL, yielded_to_builtins=_array(_STR))
 _HANDLER_ROW = _object({
     "target": _STR, "level": _STR, "handler": _nullable(_STR), "provider": _nullable(_STR),
     "distribution": _nullable(_STR), "priority": _nullable(_INT), "status": _STR, "drift": _BOOL,
@@ -66,7 +66,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "settings": {"type": "object"}, "plugins": {"type": "object"}, "plugin_details": _array(_PLUGIN_ROW),
             "conflicts": _array({"type": "object"}), "handlers": {"type": "object"}, "drift": _array({"type": "object"}),
             "errors": _array(_STR),
-        }),
+        }, torch_support=_object({"torch": _STR, "release": _STR, "declared": _nullable(_STR),
+                                  "in_declared_range": _nullable(_BOOL), "local_tensor_mode": _BOOL})),
     },
     "verify": {
         "$schema": "https://json-schema.org/draft/2020-12/schema",

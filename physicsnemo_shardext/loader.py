@@ -713,9 +713,14 @@ class PluginLoader:
         self._hook_for(plugin, "shardext_declare_patches")(patches=patches)
         self._check_untouched(attempt)
         attempt.stage = "install"
-        self.registry.add_plugin(info, list(patches))
-        extra = self._extra(attempt, **({"not_applicable": list(patches.not_applicable)} if patches.not_applicable else {}))
-        return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches), extra=extra))
+        yielded = self.registry.add_plugin(info, list(patches))
+        notes: dict[str, Any] = {}
+        if patches.not_applicable:
+            notes["not_applicable"] = list(patches.not_applicable)
+        if yielded:
+            notes["yielded_to_builtins"] = yielded
+        extra = self._extra(attempt, **notes)
+        return self._report(PluginReport(info, LoadStatus.LOADED, patches=len(patches) - len(yielded), extra=extra))
 
     def _resume(self, deferred: PluginReport, plugin: Any, modules: Sequence[str]) -> None:
         """A module a deferred plugin waits for was imported: run its remaining stages.

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_leaves
 
-from physicsnemo_shardext.comparison import RULE, Tolerance, compare
+from physicsnemo_shardext.comparison import RULE, Tolerance, compare, exact_float32
 from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.op_trace import IGNORED_CALLS, CallSite, OpSite, OpTracer, find_call_site, registry_provider
 from physicsnemo_shardext.testing.model_init import without_random_masks
@@ -168,7 +168,7 @@ def load_plugin_object(spec: str) -> tuple[Any, str]:
     """``(object, plugin name)`` for ``--plugin``: a module name, ``file.py``, or either with ``:attr``.
 
     Examples:
-        >>> load_plugin_object("patches.pointwise")[1]
+        >>> load_plugin_object("physicsnemo_shardext.patches.pointwise")[1]
         'pointwise'
     """
     if ":" in spec.replace(":\\", ""):  # module:attr (a Windows drive letter is not a separator)
@@ -457,27 +457,11 @@ def _worst_first(row: dict[str, Any]) -> tuple[bool, float]:
 # -- the rank entry point ------------------------------------------------------------------------
 def check_model(config: VerifyConfig) -> dict[str, Any] | None:
     """Run the check on this rank; every rank must call it. Rank 0 returns the report, others ``None``."""
-    from physicsnemo_shardext import load_plugin
-
     progress = _Progress(config.progress_path if dist.get_rank() == 0 else None)
     local: dict[str, Any] = {"rank": dist.get_rank()}
     try:
-        for spec in config.plugins:
-            plugin, name = load_plugin_object(spec)
-            report = load_plugin(plugin, name)
-            if report.status.value != "loaded":
-                raise BadInput(f"--plugin {spec}: {report.status.value}: {report.reason}")
-        progress.phase("building the model")
-        built = _build(config)
-        progress.phase("single-process reference")
-        reference = _reference(config, built)
-        progress.total = reference["op_calls"]
-        progress.phase("sharded forward")
-        sharded = _sharded(config, built, reference, progress.step)
-        local.update(_rank_record(config, built, sharded))
-        if "error" not in sharded:
-            progress.phase("comparing")
-            local["comparison"] = _compare(config, reference, sharded)
+        with exact_float32():  # TF32 would make two correct runs differ (see exact_float32)
+            _check_on_this_rank(config, local, progress)
     except BadInput as error:
         local["bad_input"] = str(error)
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -486,6 +470,28 @@ def check_model(config: VerifyConfig) -> dict[str, Any] | None:
     if dist.get_rank() != 0:
         return None
     return build_report(config, gathered)
+
+
+def _check_on_this_rank(config: VerifyConfig, local: dict[str, Any], progress: _Progress) -> None:
+    """Reference, sharded run and comparison on this rank, recorded into ``local``."""
+    from physicsnemo_shardext import load_plugin
+
+    for spec in config.plugins:
+        plugin, name = load_plugin_object(spec)
+        report = load_plugin(plugin, name)
+        if report.status.value != "loaded":
+            raise BadInput(f"--plugin {spec}: {report.status.value}: {report.reason}")
+    progress.phase("building the model")
+    built = _build(config)
+    progress.phase("single-process reference")
+    reference = _reference(config, built)
+    progress.total = reference["op_calls"]
+    progress.phase("sharded forward")
+    sharded = _sharded(config, built, reference, progress.step)
+    local.update(_rank_record(config, built, sharded))
+    if "error" not in sharded:
+        progress.phase("comparing")
+        local["comparison"] = _compare(config, reference, sharded)
 
 
 def _rank_record(config: VerifyConfig, built: _Built, sharded: dict[str, Any]) -> dict[str, Any]:

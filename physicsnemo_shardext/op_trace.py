@@ -34,6 +34,7 @@ Examples:
 from __future__ import annotations
 
 import linecache
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -67,10 +68,9 @@ _MACHINERY = tuple(
     for module in (torch, _domain_parallel, sys.modules[__name__.split(".")[0]])
     if getattr(module, "__file__", None)
 )
-try:  # the first-party patches ship as a sibling top-level package
-    import patches as _patches
-
-    _MACHINERY += (str(Path(_patches.__file__).resolve().parent) + os.sep,)
+try:  # an editable install maps the first-party patches to patches/, outside the package's folder
+    _patches = importlib.import_module("physicsnemo_shardext.patches")  # mapped from patches/: no stub for mypy
+    _MACHINERY += (str(Path(str(_patches.__file__)).resolve().parent) + os.sep,)
 except ImportError:  # pragma: no cover - installed without the first-party patches
     pass
 

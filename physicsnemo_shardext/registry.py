@@ -24,7 +24,8 @@ Examples:
     >>> patches = PatchSet("demo")
     >>> def cumprod_handler(func, types, args, kwargs): ...
     >>> patches.function(torch.cumprod, cumprod_handler)
-    >>> registry.add_plugin(PluginInfo("demo"), list(patches))
+    >>> registry.add_plugin(PluginInfo("demo"), list(patches))  # what stepped aside for a newer built-in
+    []
     >>> shard_registries.current_handler(PatchLevel.FUNCTION, torch.cumprod) is cumprod_handler
     True
     >>> registry.remove_all()
@@ -126,13 +127,19 @@ class PatchRegistry:
         return shard_registries.current_handler(*key)
 
     # -- changes ---------------------------------------------------------------------------
-    def add_plugin(self, plugin: PluginInfo, declarations: Iterable[PatchDeclaration]) -> None:
+    def add_plugin(self, plugin: PluginInfo, declarations: Iterable[PatchDeclaration]) -> list[tuple[str, str]]:
         """Hold ``plugin``'s declarations and install whatever they win.
 
         All-or-nothing: on any error (missing ``override``, a strict-mode
         conflict, a name already taken) neither the registry nor ShardTensor changes.
+
+        Upstream drift: a first-party declaration without ``override`` whose slot now
+        holds a PhysicsNeMo built-in (a newer PhysicsNeMo registered one) is not
+        installed: the built-in is used, as if this package were absent there. Returns
+        ``(target, why)`` of each such declaration (empty for every other plugin, whose
+        missing ``override`` stays an error).
         """
-        declarations = tuple(declarations)
+        declarations, yielded = self._yield_to_new_builtins(plugin, tuple(declarations))
         if plugin.name in self._state.plugins:
             holder = self._state.plugins[plugin.name][0]
             raise InvalidPatchDeclaration(
@@ -145,6 +152,30 @@ class PatchRegistry:
         candidate.plugins = {**self._state.plugins, plugin.name: (plugin, declarations)}
         self._commit(candidate)
         self._warn_overrides(plugin, declarations)
+        return yielded
+
+    def _yield_to_new_builtins(
+        self, plugin: PluginInfo, declarations: tuple[PatchDeclaration, ...]
+    ) -> tuple[tuple[PatchDeclaration, ...], list[tuple[str, str]]]:
+        """Split off first-party declarations that a newer PhysicsNeMo built-in now covers (see `add_plugin`)."""
+        if plugin.distribution != DISTRIBUTION_NAME:
+            return declarations, []
+        kept: list[PatchDeclaration] = []
+        yielded: list[tuple[str, str]] = []
+        for declaration in declarations:
+            prior = None
+            if declaration.level is not PatchLevel.ATTRIBUTE and not declaration.override:
+                prior = self._prior_state(declaration.key)[0]
+            if prior is None:
+                kept.append(declaration)
+                continue
+            yielded.append((
+                declaration.target_name,
+                f"PhysicsNeMo now registers a built-in for it ({handler_origin(prior)}: "
+                f"{getattr(prior, '__qualname__', prior)!s}), which is used; this first-party handler "
+                "stepped aside (upstream drift: see docs/compatibility.md)",
+            ))
+        return tuple(kept), yielded
 
     def remove_plugin(self, name: str) -> None:
         """Uninstall one plugin; slots it held go to the next claimant or back to their prior handler."""

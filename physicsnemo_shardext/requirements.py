@@ -5,6 +5,8 @@ Examples:
     True
     >>> incompatibility({"torch": "<1.0"})  # doctest: +ELLIPSIS
     'requires torch<1.0, but torch ... is installed'
+
+A pre-release counts as its release, so NVIDIA's ``2.14.0a0+<hash>.nv26.08`` meets ``torch>=2.14``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def incompatibility(requirements: Mapping[str, str]) -> str | None:
             parsed = Version(version)
         except InvalidVersion:
             return f"requires {name}{specifier}, but the installed version {version!r} cannot be parsed"
-        # Compare the public version: a local tag such as "+cu126" must not decide compatibility.
-        if not specifier.contains(Version(parsed.public), prereleases=True):
+        # Compare the release: a local tag such as "+cu126" must not decide compatibility, and
+        # NVIDIA's container builds (torch "2.14.0a0+<hash>.nv26.08") carry the release's code.
+        if not specifier.contains(Version(parsed.base_version), prereleases=True):
             return f"requires {name}{specifier}, but {name} {version} is installed"
     return None

@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from physicsnemo_shardext.comparison import Comparison, Tolerance, compare
+from physicsnemo_shardext.comparison import Comparison, Tolerance, compare, exact_float32
+from physicsnemo_shardext.errors import MissingShardPatch
 from physicsnemo_shardext.parallel import (
     ParallelLayout,
     ddp_mean,
@@ -71,6 +72,7 @@ from physicsnemo_shardext.parallel import (
     scatter_target,
     wrap_model,
 )
+from physicsnemo_shardext.torch_support import compiles_empty_shards
 
 __all__ = ["TensorError", "TrainingReport", "relative_error", "verify_training"]
 
@@ -297,6 +299,19 @@ def _rank_spread(parameters: list[Tensor], device: torch.device) -> float:
     return max(float((g - gathered[0]).abs().max()) for g in gathered)
 
 
+def _refuse_uncompilable_split(length: int, ranks: int, sizes: Sequence[int] | None) -> None:
+    """Refuse, on every rank alike, a compiled run that this torch would fail on one rank only (a hang)."""
+    rows = list(sizes) if sizes is not None else [len(c) for c in torch.arange(length).chunk(ranks)]
+    rows += [0] * (ranks - len(rows))
+    if 0 in rows and not compiles_empty_shards():
+        raise MissingShardPatch(
+            f"verify_training(compile=True) with shard sizes {rows}: torch {torch.__version__}'s Dynamo fails on "
+            "the rank whose shard is empty while the others wait (a hang); use torch>=2.14, a split without "
+            "empty shards, or compile=False"
+        )
+
+
+@exact_float32()  # TF32 would make the parallel and single-process runs differ (see exact_float32)
 def verify_training(
     make_model: Callable[[], nn.Module],
     batches: Sequence[tuple[Tensor, Tensor]],
@@ -368,6 +383,8 @@ def verify_training(
             f"wrapper='none' with ddp size {layout.ddp_size}: nothing averages gradients over the ddp axis, "
             "so the domain groups would train apart; use 'ddp' or 'fsdp2' (or train=False)"
         )
+    if compile:
+        _refuse_uncompilable_split(batches[0][0].shape[shard_dim], layout.domain_size, sizes)
     device = _device(layout)
     device_type = layout.mesh.device_type
     _check_identical_batches(batches, steps, device)

@@ -438,3 +438,32 @@ def test_json_plugin_health_fields_are_typed_by_the_schema():
     problems = validate({"schema_version": 3, "handlers": [], "plugins": [row], "errors": []}, SCHEMAS["list"])
     assert problems == ["$.plugins[0].problems: str is not array", "$.plugins[0].load_seconds: str is not number or null",
                         "$.plugins[0].slow: int is not boolean"]
+
+
+_DRIFT = """
+import io, torch
+from physicsnemo_shardext import cli, load_plugins, shard_registries
+from physicsnemo_shardext.baseline import ensure_builtin_patches
+from physicsnemo_shardext.shard_registries import PatchLevel
+
+def roll_handler(func, types, args, kwargs):
+    raise AssertionError("not called here")
+
+roll_handler.__module__ = "physicsnemo.domain_parallel.shard_utils.roll_patches"  # as a newer PhysicsNeMo would
+ensure_builtin_patches()
+shard_registries.set_handler(PatchLevel.FUNCTION, torch.roll, roll_handler)
+load_plugins()
+assert shard_registries.current_handler(PatchLevel.FUNCTION, torch.roll) is roll_handler
+for command in (["doctor"], ["list"]):
+    out = io.StringIO()
+    assert cli.main(command, out) == 0
+    print(out.getvalue())
+"""
+
+
+def test_doctor_and_list_name_a_first_party_slot_a_newer_physicsnemo_took(python_runner):
+    result = python_runner(_DRIFT, env={"SHARDEXT_AUTOLOAD": "0"})
+    assert result.returncode == 0, result.stderr
+    doctor, listing = result.stdout.split("Versions", 1)[1].split("\n\n", 1)[0], result.stdout
+    assert "roll_flip: upstream drift, not installed: torch.roll: PhysicsNeMo now registers a built-in" in doctor
+    assert "stepped aside for a newer PhysicsNeMo's built-in" in listing and "torch.roll" in listing

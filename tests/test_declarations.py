@@ -220,3 +220,15 @@ def test_custom_ops_page_runs_on_two_ranks(domain_mesh):
     exec(compile(page_blocks()["test_my_stencil.py"], f"{CUSTOM_OPS_PAGE}:test_my_stencil.py", "exec"),
          test_module.__dict__)
     test_module.test_laplacian5_on_uneven_shards(domain_mesh)
+
+
+def test_a_patch_steps_aside_outside_the_torch_range_it_is_needed_for():
+    release = torch.__version__.split("+")[0]
+    patches = PatchSet("demo")
+    patches.function(torch.roll, handler, needed_on_torch=f"<={release}")  # needed here: declared
+    patches.function(torch.flip, handler, needed_on_torch=f"<{release}")  # a newer torch made it unnecessary
+    assert [d.target_name for d in patches] == ["torch.roll"]
+    ((target, why),) = patches.not_applicable
+    assert target == "torch.flip" and why == f"needed on torch<{release} only; torch {torch.__version__} handles it without"
+    with pytest.raises(InvalidPatchDeclaration, match="not a version range"):
+        patches.function(torch.cumsum, handler, needed_on_torch="before 2.15")

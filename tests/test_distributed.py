@@ -19,8 +19,10 @@ manager = physicsnemo_shardext.initialize()
 assert manager is DistributedManager() or manager.rank == DistributedManager().rank
 assert DistributedManager.is_initialized() and manager.distributed
 assert (manager.rank, manager.world_size) == (dist.get_rank(), 2)
-assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
-assert manager._initialization_method == "env"          # PhysicsNeMo's own path ran
+# NCCL exactly when every rank of the node has a GPU (2 ranks here).
+assert dist.get_backend() == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+if torch.cuda.device_count() >= 2 or not torch.cuda.is_available():
+    assert manager._initialization_method == "env"      # PhysicsNeMo's own path ran
 assert torch.nn.functional.conv2d in ShardTensor._function_registry   # built-ins present on CPU
 mesh = manager.initialize_mesh((-1,), ("domain",))
 full = torch.arange(2 * 7 * 3, dtype=torch.float32).reshape(2, 7, 3)
@@ -85,6 +87,9 @@ with warnings.catch_warnings(record=True) as caught:
 told = [str(w.message) for w in caught if "visible GPU" in str(w.message)]
 assert dist.get_backend() == "gloo" and manager.device.type == "cpu", (dist.get_backend(), manager.device)
 assert told and "2 ranks on this node but 1 visible GPU(s)" in told[0], told
+# PhysicsNeMo's mesh follows the manager's cuda flag: a CUDA mesh here set cuda:1 on rank 1
+# (seen on a one-GPU host: "invalid device ordinal").
+assert manager.cuda is False and manager.initialize_mesh((-1,), ("domain",)).device_type == "cpu"
 total = torch.ones(1)
 dist.all_reduce(total)
 assert total.item() == 2

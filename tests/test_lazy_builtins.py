@@ -123,7 +123,8 @@ from physicsnemo_shardext import shard_registries
 from physicsnemo_shardext.baseline import late_builtins
 from physicsnemo_shardext.inventory import handler_rows
 
-warnings.simplefilter("error")          # no plugin may be blamed for the late built-ins
+from physicsnemo_shardext import ShardextWarning
+warnings.simplefilter("error", ShardextWarning)  # no plugin may be blamed for the late built-ins
 older = shard_registries.snapshot()
 with physicsnemo_shardext.sandbox():
     import physicsnemo.nn.functional.natten as natten

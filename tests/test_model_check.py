@@ -38,7 +38,7 @@ def test_factories_and_plugins_load_or_say_why(tmp_path):
     broken.write_text("raise ImportError('no physicsnemo here')\n")
     with pytest.raises(BadInput, match="no physicsnemo here"):
         load_factory(f"{broken}:make")
-    plugin, name = load_plugin_object("patches.pointwise")
+    plugin, name = load_plugin_object("physicsnemo_shardext.patches.pointwise")
     assert name == "pointwise" and hasattr(plugin, "shardext_declare_patches")
     with pytest.raises(BadInput, match="cannot import"):
         load_plugin_object("no_such_plugin_module_xyz")

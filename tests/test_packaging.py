@@ -1,5 +1,7 @@
 """Tests of what the built distribution contains (pyproject.toml's package mapping)."""
 
+import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -54,3 +56,46 @@ def test_wheel_metadata_pins_physicsnemo_range(wheel):
     assert "Requires-Dist: nvidia-physicsnemo<2.3,>=2.2" in text
     assert "Requires-Python: >=3.11" in text
     assert "Provides-Extra: test" in text and "Provides-Extra: docs" in text
+
+
+def _fake_distribution(site: Path, name: str, version: str) -> None:
+    """Metadata alone: pip's resolver sees ``name`` ``version`` as installed."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "RECORD").write_text("")
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "accepted"),
+    [
+        ("2.12.0a0+79aa17489c.nv26.04", True),  # NVIDIA's 26.04 container
+        ("2.14.0a0+3bcc3cd.nv26.08", True),  # NVIDIA's 26.08 container
+        ("2.15.0", True),
+        ("2.11.0", False),
+        ("2.16.0", False),
+    ],
+)
+def test_pip_installs_the_wheel_beside_a_declared_torch_and_nothing_else(wheel, tmp_path, torch_version, accepted):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (site,) = venv.glob("lib/python3*/site-packages")
+    for name, version in [("torch", torch_version), ("nvidia-physicsnemo", "2.2.2"), ("pluggy", "1.6.0"),
+                          ("packaging", "25.0")]:
+        _fake_distribution(site, name, version)
+    report = tmp_path / "report.json"
+    no_constraints = tmp_path / "constraints.txt"  # this machine's pip configuration caps torch; users' has no cap
+    no_constraints.write_text("")
+    env = {**os.environ, "PIP_CONSTRAINT": str(no_constraints), "PIP_FIND_LINKS": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--dry-run", "--no-index",
+         "--report", str(report), wheel.filename],
+        capture_output=True, text=True, timeout=300, check=False, env=env,
+    )
+    if not accepted:  # with no index, pip cannot replace the torch it refuses
+        assert result.returncode != 0 and "torch" in result.stderr, result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installed == ["physicsnemo-shardext"]

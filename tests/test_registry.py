@@ -343,3 +343,39 @@ def test_a_one_way_alias_follows_its_canonical_op_only(fresh_registry):
     fresh_registry.add_plugin(*declare("minimums", torch.minimum))
     assert current(torch.maximum)(None, None, None, None) == "maxes"
     assert current(torch.min) is None  # torch.min(x, dim) is no minimum
+
+
+def _fake_builtin(func, types, args, kwargs):
+    """What a newer PhysicsNeMo would register."""
+    return "fake built-in"
+
+
+def test_first_party_handlers_step_aside_for_a_new_builtin(fresh_registry, pristine_registries):
+    from physicsnemo_shardext.patches import roll_flip
+
+    shard_registries.set_handler(PatchLevel.FUNCTION, torch.roll, _fake_builtin)  # upstream drift
+    patches = PatchSet("roll_flip")
+    roll_flip.shardext_declare_patches(patches)
+    first_party = PluginInfo("roll_flip", "physicsnemo-shardext", "0.1.0")
+    yielded = dict(fresh_registry.add_plugin(first_party, list(patches)))
+    assert set(yielded) == {"torch.roll"} and "stepped aside" in yielded["torch.roll"]
+    assert current(torch.roll) is _fake_builtin  # the built-in is used ...
+    assert current(torch.flip) is roll_flip.sharded_flip  # ... and the plugin's other slots are installed
+    fresh_registry.remove_plugin("roll_flip")
+    assert current(torch.roll) is _fake_builtin and current(torch.flip) is None
+
+
+def test_a_third_party_plugin_meeting_a_new_builtin_still_needs_override(fresh_registry, pristine_registries):
+    shard_registries.set_handler(PatchLevel.FUNCTION, torch.roll, _fake_builtin)
+    before = shard_registries.snapshot()
+    with pytest.raises(InvalidPatchDeclaration, match="override=True"):
+        fresh_registry.add_plugin(*declare("third-party-roll", torch.roll, torch.flip))
+    assert shard_registries.snapshot() == before
+
+
+def test_an_override_declared_first_party_handler_keeps_its_slot(fresh_registry, pristine_registries):
+    shard_registries.set_handler(PatchLevel.FUNCTION, torch.roll, _fake_builtin)
+    info, declarations = declare("first-party-roll", torch.roll, override=True)
+    assert fresh_registry.add_plugin(PluginInfo(info.name, "physicsnemo-shardext", "0.1.0"), declarations) == []
+    assert current(torch.roll) is not _fake_builtin
+    assert fresh_registry.prior_handler(torch.roll) is _fake_builtin

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.parallel import ParallelLayout, build_layout
+from physicsnemo_shardext.torch_support import compiles_empty_shards
 from physicsnemo_shardext.verification import TensorError, TrainingReport, relative_error, verify_training
 
 # --------------------------------------------------------------------------- pure parts
@@ -167,8 +169,13 @@ def test_autocast_bf16_within_a_bf16_tolerance(rank):
 
 @pytest.mark.multirank(4, timeout=400)
 def test_compiled_training(rank):
-    report = verify_training(tiny_cnn, _batches(1), _layout(1), shard_dim=2, sizes=[3, 2, 4, 0], wrapper="none",
-                             steps=2, compile=True)
+    run = functools.partial(verify_training, tiny_cnn, _batches(1), _layout(1), shard_dim=2, sizes=[3, 2, 4, 0],
+                            wrapper="none", steps=2, compile=True)
+    if not compiles_empty_shards():  # torch 2.13: refused on every rank, where compiling hung the others
+        with pytest.raises(MissingShardPatch, match=r"shard sizes \[3, 2, 4, 0\].*use torch>=2.14"):
+            run()
+        return
+    report = run()
     assert report.ok, report.format()
 
 

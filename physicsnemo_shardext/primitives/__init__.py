@@ -31,7 +31,8 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 Under ``torch.compile`` a handler runs eagerly behind a graph break:
 `eager_handler` wraps it so that, called on fake operands (`is_tracing`), it
 refuses to be traced (`refuse_tracing`) instead of tracing its collectives
-wrongly. `profiled_range` names a step in a profiler trace at no cost otherwise.
+wrongly. `output_dtype_under_autocast` gives a composed op the dtype autocast gives
+the op it replaces. `profiled_range` names a step in a profiler trace at no cost otherwise.
 
 Examples:
     >>> from physicsnemo_shardext.primitives import DimLayout, halo_indices
@@ -76,6 +77,7 @@ from physicsnemo_shardext.primitives.layout import (
     split_rows_by_owner,
 )
 from physicsnemo_shardext.primitives.meta import meta_output_shape
+from physicsnemo_shardext.primitives.precision import autocast_float32, output_dtype_under_autocast
 from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated, summed_over
 from physicsnemo_shardext.primitives.replicated import (
@@ -89,11 +91,10 @@ from physicsnemo_shardext.primitives.wrapping import local_of, wrap_gradient, wr
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
-    "DimLayout",
-    "ExchangePlan",
     "align_shard",
     "aligned_split_sizes",
     "all_reduce_sum",
+    "autocast_float32",
     "balanced_split_sizes",
     "bind_arguments",
     "build_shard_tensor",
@@ -103,8 +104,10 @@ __all__ = [
     "delegate_when_traced",
     "describe_target",
     "dim_layout",
+    "DimLayout",
     "eager_handler",
     "elementwise_with_replicated",
+    "ExchangePlan",
     "expand_to",
     "fallback",
     "from_local_like",
@@ -121,12 +124,13 @@ __all__ = [
     "meta_output_shape",
     "move_shard",
     "normalize_dim",
+    "output_dtype_under_autocast",
     "plan_exchange",
     "profiled_range",
     "refuse_higher_order",
     "refuse_tracing",
-    "replicated_local",
     "refuse_untracked_view_update",
+    "replicated_local",
     "replicated_part",
     "require_shard_input",
     "resplit_rows",

@@ -86,6 +86,11 @@ def summed_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int])
     return total
 
 
+
+def _apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """``function.apply(*args)``, typed: torch's stubs type ``Function.apply`` from 2.14 on only."""
+    return cast(torch.Tensor, cast(Any, function).apply(*args))
+
 class _SumGradOver(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
@@ -97,7 +102,7 @@ class _SumGradOver(torch.autograd.Function):
         # The summed gradient is a replicated value (a parameter's gradient, the same on every rank):
         # its adjoint is `_SumToReplicated`'s, so a penalty on it (create_graph=True) is not summed twice.
         with profiled_range("shardext.sum_grad_over.backward"):
-            return cast(torch.Tensor, _SumToReplicated.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
+            return _apply(_SumToReplicated, grad, ctx.mesh, ctx.mesh_dims), None, None
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -110,7 +115,7 @@ class _AllReduceSum(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # The sum over ranks is its own adjoint: applying it again keeps double backward exact.
         with profiled_range("shardext.all_reduce_sum.backward"):
-            return cast(torch.Tensor, _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
+            return _apply(_AllReduceSum, grad, ctx.mesh, ctx.mesh_dims), None, None
 
 
 class _SumToReplicated(torch.autograd.Function):
@@ -124,7 +129,7 @@ class _SumToReplicated(torch.autograd.Function):
         if torch.is_grad_enabled() and grad.requires_grad:
             # create_graph=True: the replicated cotangent now feeds every rank's terms, so its own
             # gradient is a sum over the ranks (`_SumGradOver`, this Function's adjoint).
-            return cast(torch.Tensor, _SumGradOver.apply(grad, ctx.mesh, ctx.mesh_dims)), None, None
+            return _apply(_SumGradOver, grad, ctx.mesh, ctx.mesh_dims), None, None
         return grad, None, None
 
 
@@ -151,7 +156,7 @@ def sum_grad_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int
     if not mesh_dims:
         return value
     with profiled_range("shardext.sum_grad_over"):
-        return cast(torch.Tensor, _SumGradOver.apply(value, mesh, mesh_dims))
+        return _apply(_SumGradOver, value, mesh, mesh_dims)
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
@@ -176,7 +181,7 @@ def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[in
     if not mesh_dims:
         return value
     with profiled_range("shardext.all_reduce_sum"):
-        return cast(torch.Tensor, _AllReduceSum.apply(value, mesh, mesh_dims))
+        return _apply(_AllReduceSum, value, mesh, mesh_dims)
 
 
 def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
@@ -201,4 +206,4 @@ def sum_to_replicated(addend: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequenc
     if not mesh_dims:
         return addend
     with profiled_range("shardext.sum_to_replicated"):
-        return cast(torch.Tensor, _SumToReplicated.apply(addend, mesh, mesh_dims))
+        return _apply(_SumToReplicated, addend, mesh, mesh_dims)

@@ -78,22 +78,11 @@ def seed_everything(seed: int) -> None:
 @contextlib.contextmanager
 def deterministic(seed: int) -> Iterator[None]:
     """Seed all generators and switch TF32 off (so ranks and the reference agree); restore TF32 after."""
-    import torch
+    from physicsnemo_shardext.comparison import exact_float32
 
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.get_float32_matmul_precision(),
-    )
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    seed_everything(seed)
-    try:
+    with exact_float32():
+        seed_everything(seed)
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
 
 
 @contextlib.contextmanager

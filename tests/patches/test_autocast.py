@@ -231,6 +231,27 @@ def test_family_matches_single_process_autocast(domain_mesh, family, name, dtype
         assert touched == _autocasts_on_cpu(family, name), report.autocast_reference_errors
 
 
+# One GPU (the GPU lane, .ci/gpu-lane): the same cases on a one-rank CUDA mesh, the whole
+# tensor in one shard. No halo moves, but every handler's CUDA autocast path (dtypes of its
+# local compute and of what it wraps) is compared with single-process CUDA autocast.
+_ONE_GPU = "needs a CUDA GPU (the one-rank mesh is a CUDA mesh only there)"
+ONE_GPU_PRECISIONS = [
+    pytest.param(torch.bfloat16, id="cuda-bf16"),
+    pytest.param(torch.float16, id="cuda-fp16"),
+]
+
+
+@pytest.mark.multirank(1)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_ONE_GPU)
+@pytest.mark.parametrize("dtype", ONE_GPU_PRECISIONS)
+@pytest.mark.parametrize("family, name", CASES, ids=[f"{f}-{n}" for f, n in CASES])
+def test_family_matches_single_process_autocast_on_one_gpu(domain_mesh, family, name, dtype):
+    case = FAMILIES[family][name]
+    whole = Case(case.make, case.shape, case.dim, (case.shape[case.dim],), case.options)
+    report = _run(whole, domain_mesh, dtype)
+    assert report.autocast == ("cuda", dtype)
+
+
 def _autocasts_on_cpu(family: str, name: str) -> bool:
     return family in {"convolution", "linear", "afno"} or "after-linear" in name or name in {
         "prelu", "cat-bf16-with-fp32"}

@@ -22,7 +22,9 @@ all-reduce) so that the ranks take the same branch when hypothesis shrinks.
 
 Budgets: ``FUZZ_1D``/``FUZZ_2D`` examples in CI; ``SHARDEXT_FUZZ_EXAMPLES=N``
 runs N examples on each mesh instead (``SHARDEXT_FUZZ_SHRINK=1`` also shrinks a
-failure to a minimal chain), and the ``slow`` cells (``--run-slow`` /
+failure to a minimal chain; ``SHARDEXT_FUZZ_TRACE=DIR`` makes each rank append every case
+and its own error to ``DIR/rank<r>.txt``, which names the case when ranks diverge and
+hang), and the ``slow`` cells (``--run-slow`` /
 ``SHARDEXT_RUN_SLOW=1``) run the long budget, with shrinking. See docs/testing.md.
 """
 
@@ -49,6 +51,7 @@ from hypothesis import strategies as st  # noqa: E402
 FUZZ_1D, FUZZ_2D = 40, 15
 LONG_1D, LONG_2D = 400, 120
 EXAMPLES_ENV, SHRINK_ENV, REPORT_ENV = "SHARDEXT_FUZZ_EXAMPLES", "SHARDEXT_FUZZ_SHRINK", "SHARDEXT_FUZZ_REPORT"
+TRACE_ENV = "SHARDEXT_FUZZ_TRACE"
 
 #: Known bugs, each with an xfail(strict) regression test in test_layout_ops.py; left out of the CI run
 #: so that it fails on new bugs only. ``SHARDEXT_FUZZ_STRICT=1`` puts them back.
@@ -529,12 +532,14 @@ def fuzz(mesh: Any, examples: int, shrink: bool, failures: list[str] | None = No
     def prop(case: Case) -> None:
         error: BaseException | None = None
         outcome = Outcome()
+        _trace(f"case {case!r}")
         try:
             outcome = run_case(case, mesh)
         except Exception as exc:  # noqa: BLE001 - any error fails the example, on every rank alike
             if type(exc).__module__.startswith("hypothesis"):
                 raise  # reject(): decided before any collective, the same on every rank
             error = exc
+            _trace(f"  this rank raised {type(exc).__name__}: {exc}")
         if _agree(error is not None):
             if failures is not None:
                 failures.append(f"{case!r}\n    {type(error).__name__}: {str(error)[:400]}")
@@ -549,6 +554,16 @@ def fuzz(mesh: Any, examples: int, shrink: bool, failures: list[str] | None = No
 
     prop()
     return counts
+
+
+def _trace(line: str) -> None:
+    """Append ``line`` to ``$SHARDEXT_FUZZ_TRACE/rank<r>.txt`` (nothing when unset)."""
+    folder = os.environ.get(TRACE_ENV)
+    if folder:
+        import torch.distributed as dist
+
+        with open(os.path.join(folder, f"rank{dist.get_rank()}.txt"), "a") as handle:
+            handle.write(line + "\n")
 
 
 def _budget(default: int) -> tuple[int, bool]:

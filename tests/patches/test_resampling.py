@@ -12,6 +12,7 @@ import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.resampling import cubic_source_rows, interpolate_handler, source_rows
 from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, shard_tensor
+from physicsnemo_shardext.torch_support import torch_in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -210,4 +211,6 @@ PARTIAL_DELEGATED = {
 def test_partial_input_is_delegated_values_and_gradients(domain_mesh, rank, name):
     fn, shape = PARTIAL_DELEGATED[name]
     full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    check_delegation(fn, full, domain_mesh, rank, "resampling", (Partial(),))
+    # torch 2.13's fallback sums a pixel (un)shuffle's terms first; from 2.14 the Partial(sum) stays.
+    summed_first = name.startswith("pixel") and torch_in("<2.14")
+    check_delegation(fn, full, domain_mesh, rank, "resampling", (Replicate(),) if summed_first else (Partial(),))

@@ -13,6 +13,7 @@ import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.softmax_cumsum import CUMSUM_TARGETS, SOFTMAX_TARGETS, sharded_cumsum, sharded_softmax
 from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, shard_tensor
+from physicsnemo_shardext.torch_support import torch_in
 
 SHAPE = (2, 3, 17, 5)  # sharded along dim 2
 STAT_ROW_BYTES = 2 * 3 * 5 * 4  # one float32 statistic per (batch, channel, width) row
@@ -181,8 +182,9 @@ PARTIAL_CASES = {
     "torch.softmax": (lambda t: torch.softmax(t, -1), (Replicate(),)),
     "log_softmax": (lambda t: F.log_softmax(t, 1), (Replicate(),)),
     "softmin": (lambda t: F.softmin(t, 0), (Replicate(),)),
-    "cumsum": (lambda t: torch.cumsum(t, 1), (Partial(),)),
-    "Tensor.cumsum": (lambda t: t.cumsum(0), (Partial(),)),
+    # torch 2.13's fallback sums a cumsum's terms first; from 2.14 the Partial(sum) stays.
+    "cumsum": (lambda t: torch.cumsum(t, 1), (Partial(),) if torch_in(">=2.14") else (Replicate(),)),
+    "Tensor.cumsum": (lambda t: t.cumsum(0), (Partial(),) if torch_in(">=2.14") else (Replicate(),)),
 }
 
 
