@@ -467,3 +467,33 @@ def test_doctor_and_list_name_a_first_party_slot_a_newer_physicsnemo_took(python
     doctor, listing = result.stdout.split("Versions", 1)[1].split("\n\n", 1)[0], result.stdout
     assert "roll_flip: upstream drift, not installed: torch.roll: PhysicsNeMo now registers a built-in" in doctor
     assert "stepped aside for a newer PhysicsNeMo's built-in" in listing and "torch.roll" in listing
+
+
+_STEPPED_ASIDE = """
+import io, json, torch
+from physicsnemo_shardext import PatchSet, cli, hookimpl, load_plugin
+
+class Plugin:
+    @hookimpl
+    def shardext_declare_patches(self, patches: PatchSet) -> None:
+        def handler(func, types, args, kwargs):
+            raise AssertionError("never installed")
+        patches.function(torch.cummin, handler, needed_on_torch="<1.0")  # a torch newer than 1.0 made it unnecessary
+
+report = load_plugin(Plugin(), "old-fix")
+assert report.status.value == "loaded" and report.patches == 0, report
+for command in (["doctor"], ["doctor", "--json"]):
+    out = io.StringIO()
+    assert cli.main(command, out) == 0
+    print(out.getvalue())
+"""
+
+
+def test_doctor_says_a_patch_stepped_aside_outside_its_torch_range(python_runner):
+    result = python_runner(_STEPPED_ASIDE)
+    assert result.returncode == 0, result.stderr
+    text, _, json_text = result.stdout.partition("{")
+    assert "old-fix: not needed here, not installed: torch.cummin: needed on torch<1.0 only" in text
+    (row,) = [r for r in json.loads("{" + json_text)["plugin_details"] if r["plugin"] == "old-fix"]
+    (line,) = row["not_applicable"]
+    assert line.startswith("torch.cummin: needed on torch<1.0 only; torch 2.") and line.endswith("handles it without")
