@@ -8,7 +8,8 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
 2. **gate** what the handler does not take: `require_shard_input`,
    `is_partial`, `normalize_dim`; hand the rest to what was replaced
    with `delegate` (or call the DTensor path directly with `fallback`);
-3. **plan** without communication: `sharded_dims`, `dim_layout`, `meta_output_shape`,
+3. **plan** without communication (the spec read through `mesh_of`, `placements_of`,
+   `shard_shapes_of`, `tensor_meta_of`): `sharded_dims`, `dim_layout`, `meta_output_shape`,
    `DimLayout`, `sharding_mesh_dims`, `plan_exchange`,
    `halo_indices`, `split_rows_by_owner`, `balanced_split_sizes`;
 4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
@@ -86,6 +87,7 @@ from physicsnemo_shardext.primitives.replicated import (
     replicated_local,
     replicated_part,
 )
+from physicsnemo_shardext.primitives.spec import mesh_of, placements_of, shard_shapes_of, tensor_meta_of
 from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
 from physicsnemo_shardext.primitives.wrapping import local_of, wrap_gradient, wrap_local
 from physicsnemo_shardext.targets import describe_target
@@ -121,10 +123,12 @@ __all__ = [
     "linear_backward",
     "local_of",
     "materialized",
+    "mesh_of",
     "meta_output_shape",
     "move_shard",
     "normalize_dim",
     "output_dtype_under_autocast",
+    "placements_of",
     "plan_exchange",
     "profiled_range",
     "refuse_higher_order",
@@ -134,6 +138,7 @@ __all__ = [
     "replicated_part",
     "require_shard_input",
     "resplit_rows",
+    "shard_shapes_of",
     "sharded_allocations",
     "sharded_dims",
     "sharding_mesh_dims",
@@ -141,6 +146,7 @@ __all__ = [
     "sum_grad_over",
     "sum_to_replicated",
     "summed_over",
+    "tensor_meta_of",
     "tie_to_graph",
     "transpose_shard",
     "wrap_gradient",

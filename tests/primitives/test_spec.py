@@ -1,0 +1,27 @@
+"""Tests of physicsnemo_shardext/primitives/spec.py: the spec's mesh, placements and shard shapes through one door."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from physicsnemo_shardext.primitives import mesh_of, placements_of, shard_shapes_of, tensor_meta_of
+from physicsnemo_shardext.testing import shard_tensor
+
+
+@pytest.mark.multirank(2)
+def test_accessors_agree_with_the_public_dtensor_view(domain_mesh):
+    x = shard_tensor(torch.arange(34.0).reshape(17, 2), domain_mesh, [Shard(0)], [12, 5])
+    assert mesh_of(x) is x.device_mesh
+    assert placements_of(x) == tuple(x.placements) == (Shard(0),)
+    assert [s[0] for s in shard_shapes_of(x)[0]] == [12, 5]
+    meta = tensor_meta_of(x)
+    assert tuple(meta.shape) == (17, 2) and meta.dtype == torch.float32
+
+
+@pytest.mark.multirank(2)
+def test_replicated_shapes_are_the_global_shape(domain_mesh):
+    x = shard_tensor(torch.ones(3, 4), domain_mesh, [Replicate()])
+    assert placements_of(x) == (Replicate(),)
+    assert all(tuple(s) == (3, 4) for shapes in shard_shapes_of(x).values() for s in shapes)
