@@ -157,4 +157,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    physicsnemo_shardext.exit_rank(main())  # no interpreter teardown under torchrun: see exit_rank

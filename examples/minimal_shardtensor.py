@@ -26,3 +26,4 @@ assert torch.allclose(y.full_tensor(), torch.nn.functional.gelu(full))
 print(f"rank {manager.rank}: local rows {tuple(y.to_local().shape)}, matches single-process")
 
 physicsnemo_shardext.shutdown()
+physicsnemo_shardext.exit_rank(0)  # leave without interpreter teardown under torchrun (see exit_rank)

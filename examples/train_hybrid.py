@@ -16,7 +16,7 @@ the domain mesh), optimizer groups split by mesh, and a ddp-averaged loss for
 logging. The model itself is PhysicsNeMo's, unmodified.
 
 Before training, ``--verify`` (on by default) runs a few seeded steps both ways
-with `physicsnemo_shardext.verification.verify_training` and prints how far the
+with `physicsnemo_shardext.training.verification.verify_training` and prints how far the
 losses, every first-step gradient and the final parameters are from the
 single-process run; the script exits with status 1 on a mismatch.
 """
@@ -32,7 +32,7 @@ from physicsnemo.models.afno import AFNO
 from physicsnemo.models.fno import FNO
 
 import physicsnemo_shardext
-from physicsnemo_shardext.parallel import (
+from physicsnemo_shardext.training.parallel import (
     build_layout,
     ddp_mean,
     param_groups,
@@ -40,7 +40,7 @@ from physicsnemo_shardext.parallel import (
     scatter_target,
     wrap_model,
 )
-from physicsnemo_shardext.verification import verify_training
+from physicsnemo_shardext.training.verification import verify_training
 
 #: Parameters made DTensors on the domain mesh on the FSDP2 path (statically shaped, spatial).
 SPATIAL_PARAMETERS = {"afno": ["pos_embed"], "fno": []}
@@ -183,4 +183,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    physicsnemo_shardext.exit_rank(main())  # no interpreter teardown under torchrun: see exit_rank

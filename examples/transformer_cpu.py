@@ -18,7 +18,7 @@ around the domain ranks, memory ``O(L/N)``), ``linear`` the embedding lookup,
 ``losses`` the pooling and the loss over the sharded tokens.
 
 The script first runs a few seeded steps both ways with
-`physicsnemo_shardext.verification.verify_training` (losses, every first-step
+`physicsnemo_shardext.training.verification.verify_training` (losses, every first-step
 gradient, final parameters against one process) and exits with status 1 on a
 mismatch; then it trains and logs the ddp-averaged loss.
 """
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import physicsnemo_shardext
-from physicsnemo_shardext.parallel import build_layout, ddp_mean, scatter_input, scatter_target, wrap_model
-from physicsnemo_shardext.verification import verify_training
+from physicsnemo_shardext.training.parallel import build_layout, ddp_mean, scatter_input, scatter_target, wrap_model
+from physicsnemo_shardext.training.verification import verify_training
 
 
 # --8<-- [start:models]
@@ -141,7 +141,7 @@ def main() -> None:
             print(f"step {step}: loss {logged:.5f}")
     # --8<-- [end:train]
     physicsnemo_shardext.shutdown()
-    raise SystemExit(0 if report.ok else 1)
+    physicsnemo_shardext.exit_rank(0 if report.ok else 1)  # no interpreter teardown under torchrun
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    mesh_of,
     meta_output_shape,
+    placements_of,
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
@@ -261,7 +263,7 @@ def _pads(padding: Any, weight: torch.Tensor, dilation: tuple[int, ...], n: int,
 
 def _can_delegate(x: ShardTensor, layouts: dict[int, DimLayout], weight, stride, dilation, pads, transposed) -> bool:
     """Is this a case PhysicsNeMo's built-in conv patch gets right (stride-1 'same' halo conv)?"""
-    if transposed or not all(p.is_shard() for p in x._spec.placements):
+    if transposed or not all(p.is_shard() for p in placements_of(x)):
         return False  # it indexes mesh sizes by sharded mesh dims only (IndexError with Replicate dims)
     for d, layout in layouts.items():
         if d < 2:
@@ -291,7 +293,7 @@ def sharded_conv(
     weight, bias = replicated_local(a["weight"], f"{op}: weight"), replicated_local(a["bias"], f"{op}: bias")
     if not isinstance(x, ShardTensor):
         raise MissingShardPatch(f"{op}: the input must be the ShardTensor (got {type(x).__name__})")
-    placements = tuple(x._spec.placements)
+    placements = placements_of(x)
     if is_partial(x):
         if bias is None:  # a convolution is linear: the built-in convolves each rank's term, right
             return delegate(func, types, args, kwargs)
@@ -329,9 +331,9 @@ def sharded_conv(
 
     # Weight/bias gradients are partial sums over this rank's rows: reduce over the sharded mesh dims.
     mesh_dims = sharding_mesh_dims(x)
-    weight = sum_grad_over(weight, x._spec.mesh, mesh_dims)
+    weight = sum_grad_over(weight, mesh_of(x), mesh_dims)
     if bias is not None:
-        bias = sum_grad_over(bias, x._spec.mesh, mesh_dims)
+        bias = sum_grad_over(bias, mesh_of(x), mesh_dims)
 
     local = local_of(x)
     new_sizes: dict[int, list[int]] = {}

@@ -103,7 +103,9 @@ from physicsnemo_shardext.primitives import (
     eager_handler,
     is_partial,
     local_of,
+    mesh_of,
     move_shard,
+    placements_of,
     sharded_dims,
 )
 
@@ -225,10 +227,9 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
         >>> X.placements, tuple(X.shape), tuple(X.to_local().shape[:2])
         ((Shard(dim=2),), (1, 7, 5), (1, 7))
     """
-    spec = x._spec
     if is_partial(x):
         raise MissingShardPatch(
-            f"torch.fft.{call.name}: input has a Partial placement {tuple(spec.placements)}; "
+            f"torch.fft.{call.name}: input has a Partial placement {placements_of(x)}; "
             "distributed_fft delegates those to the DTensor fallback"
         )
     layouts = sharded_dims(x)
@@ -287,7 +288,7 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
         if partner is None:
             raise _NoFreeDim(
                 f"torch.fft.{call.name} over dims {call.dims} of a tensor of shape {tuple(x.shape)} with "
-                f"placements {tuple(spec.placements)}: dim {d} is sharded and no other dim is free to take "
+                f"placements {placements_of(x)}: dim {d} is sharded and no other dim is free to take "
                 "the shard (every other dim is sharded or absent)"
             )
         local = _move(local, layouts, d, partner)
@@ -301,13 +302,13 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
             if free:
                 local = _move(local, layouts, d, free[0])
 
-    placements = list(spec.placements)
+    placements = list(placements_of(x))
     for d, layout in layouts.items():
         placements[layout.mesh_dim] = Shard(d)
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Shard) and p.dim % ndim not in layouts:
             placements[mesh_dim] = Replicate()  # unreachable: every shard is tracked; kept defensive
-    return build_shard_tensor(local, spec.mesh, placements, {d: l.sizes for d, l in layouts.items()})
+    return build_shard_tensor(local, mesh_of(x), placements, {d: l.sizes for d, l in layouts.items()})
 
 
 def _move(local: torch.Tensor, layouts: dict[int, DimLayout], d: int, partner: int) -> torch.Tensor:

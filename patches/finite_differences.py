@@ -85,8 +85,10 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    mesh_of,
     meta_output_shape,
     normalize_dim,
+    placements_of,
     require_shard_input,
     sharded_dims,
 )
@@ -165,7 +167,7 @@ def _fallback_takes_coordinates(x: Any, spacing: Any, dim: Any) -> bool:
             if not isinstance(coords, ShardTensor) or all(p.is_replicate() for p in coords.placements):
                 continue
             layout, own = layouts.get(d % x.ndim), sharded_dims(coords)
-            if coords.ndim != 1 or layout is None or set(own) != {0} or coords._spec.mesh != x._spec.mesh:
+            if coords.ndim != 1 or layout is None or set(own) != {0} or mesh_of(coords) != mesh_of(x):
                 return False
             if (own[0].mesh_dim, own[0].sizes) != (layout.mesh_dim, layout.sizes) or is_partial(coords):
                 return False
@@ -316,11 +318,11 @@ def _extra_rows(
         # A plain tensor that ShardTensor promoted to Replicate. Along every mesh dim that shards x,
         # each rank uses a different part of it (or none), so its gradient is a partial sum there,
         # which the promotion's bridge all-reduces in backward; along the other mesh dims it is replicated.
-        if not all(p.is_replicate() for p in extra.placements) or extra.device_mesh != x._spec.mesh:
+        if not all(p.is_replicate() for p in extra.placements) or extra.device_mesh != mesh_of(x):
             raise MissingShardPatch(
                 f"{describe_target(func)}: {name} with placements {extra.placements} on another mesh or sharded"
             )
-        grad_placements = [Partial() if p.is_shard() else Replicate() for p in x._spec.placements]
+        grad_placements = [Partial() if p.is_shard() else Replicate() for p in placements_of(x)]
         full = extra.to_local(grad_placements=grad_placements)
     elif isinstance(extra, torch.Tensor):
         if extra.requires_grad and torch.is_grad_enabled() and layouts:

@@ -132,6 +132,8 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    mesh_of,
+    placements_of,
     refuse_untracked_view_update,
     replicated_local,
     sharded_dims,
@@ -240,7 +242,7 @@ def plan_index(x: ShardTensor, index: Any) -> IndexPlan:
 
 
 def _placements_for(x: ShardTensor, plan: IndexPlan) -> list[Any]:
-    placements = list(x._spec.placements)
+    placements = list(placements_of(x))
     for out_dim, mesh_dim in plan.out_mesh_dims.items():
         placements[mesh_dim] = Shard(out_dim)
     return placements
@@ -268,7 +270,7 @@ def sharded_getitem(
     except _Unsupported:
         return fallback(func, args, kwargs)
     local = local_of(x)[plan.local_index]
-    return build_shard_tensor(local, x._spec.mesh, _placements_for(x, plan), plan.out_sizes)
+    return build_shard_tensor(local, mesh_of(x), _placements_for(x, plan), plan.out_sizes)
 
 
 # -- slice assignment ---------------------------------------------------------------------
@@ -300,7 +302,7 @@ def sharded_setitem(
         return
     if is_partial(target):
         raise MissingShardPatch(
-            f"torch.Tensor.__setitem__: target has a Partial placement {target._spec.placements} (the DTensor "
+            f"torch.Tensor.__setitem__: target has a Partial placement {placements_of(target)} (the DTensor "
             "fallback fails too, or from torch 2.15 writes the value into every rank's partial sum); "
             "redistribute the target first"
         )
@@ -317,7 +319,7 @@ def sharded_setitem(
     updated = local_of(target).clone()
     updated[plan.local_index] = value_local
     layouts = sharded_dims(target)
-    new = build_shard_tensor(updated, target._spec.mesh, target._spec.placements,
+    new = build_shard_tensor(updated, mesh_of(target), placements_of(target),
                              {d: l.sizes for d, l in layouts.items()})
     try:
         torch.utils.swap_tensors(target, new)
@@ -397,7 +399,7 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
         return local_of(value)
     # A replicated value of the region's global shape: keep this rank's rows. Each rank writes
     # (and so differentiates) only its rows, so the gradient is summed over the region's mesh dims.
-    value = sum_grad_over(replicated_local(value, "torch.Tensor.__setitem__: value"), target._spec.mesh,
+    value = sum_grad_over(replicated_local(value, "torch.Tensor.__setitem__: value"), mesh_of(target),
                           sorted(set(plan.out_mesh_dims.values())))
     index: list[Any] = [slice(None)] * value.ndim
     offset = value.ndim - region.ndim
@@ -408,7 +410,7 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
         if value.shape[d] != sum(sizes):
             raise MissingShardPatch(f"torch.Tensor.__setitem__: value dim {d} has {value.shape[d]} rows, "
                                     f"the region {sum(sizes)}")
-        coord = target._spec.mesh.get_coordinate()[plan.out_mesh_dims[out_dim]]
+        coord = mesh_of(target).get_coordinate()[plan.out_mesh_dims[out_dim]]
         start = sum(sizes[:coord])
         index[d] = slice(start, start + sizes[coord])
     return value[tuple(index)]
@@ -463,7 +465,7 @@ def replicated_add(
                     b_local, b_layout,
                     lambda c, al=a_layout: range(al.offsets[c], al.offsets[c] + al.sizes[c]),
                 )
-        return build_shard_tensor(local_of(a) + b_local, a._spec.mesh, a._spec.placements,
+        return build_shard_tensor(local_of(a) + b_local, mesh_of(a), placements_of(a),
                                   {d: l.sizes for d, l in a_layouts.items()})
     # A replicated operand (promoted DTensor, Replicate ShardTensor, plain tensor) is cut to the shard's rows.
     result = elementwise_with_replicated(func, args, kwargs)
@@ -475,8 +477,8 @@ def _same_placements(a: Any, b: Any) -> bool:
         isinstance(a, ShardTensor)
         and isinstance(b, ShardTensor)
         and tuple(a.shape) == tuple(b.shape)
-        and a._spec.mesh == b._spec.mesh
-        and tuple(a._spec.placements) == tuple(b._spec.placements)
+        and mesh_of(a) == mesh_of(b)
+        and placements_of(a) == placements_of(b)
         and not is_partial(a)
     )
 
@@ -608,9 +610,9 @@ def _gather_conflicting(subscripts: Sequence[str], out: str, operands: Sequence[
         for letter, i, _ in entries:
             if letter != keep:
                 op = result[i]
-                placements = list(op._spec.placements)
+                placements = list(placements_of(op))
                 placements[mesh_dim] = Replicate()
-                result[i] = op.redistribute(op._spec.mesh, placements)
+                result[i] = op.redistribute(mesh_of(op), placements)
     return result
 
 
@@ -624,7 +626,7 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     mesh = None
     for subs, op in zip(subscripts, operands):
         if isinstance(op, ShardTensor):
-            mesh = op._spec.mesh
+            mesh = mesh_of(op)
             for d, layout in sharded_dims(op).items():
                 letter = subs[d]
                 entry = (layout.mesh_dim, layout.sizes, layout)
@@ -647,7 +649,7 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
             # tokens, a Replicate ShardTensor, against the point-sharded slice weights; a gathered
             # key block): each rank uses it for its own rows only, so its gradient is summed over
             # that mesh dim, as for plain ones.
-            replicated_over = [d for d in shard_mesh_dims if op._spec.placements[d].is_replicate()]
+            replicated_over = [d for d in shard_mesh_dims if placements_of(op)[d].is_replicate()]
             for d, letter in enumerate(subs):
                 if letter in sharded and letter not in own and local.shape[d] != 1:
                     mesh_dim = sharded[letter][0]

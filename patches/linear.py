@@ -71,6 +71,8 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     local_of,
+    mesh_of,
+    placements_of,
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
@@ -99,10 +101,10 @@ def sharded_linear(
     if is_partial(x):
         # The sum first (one all-reduce, as the built-in does inside DTensor), so that the
         # weight gradient comes back reduced and Replicate like every other call's.
-        x = x.redistribute(x._spec.mesh, [Replicate() if p.is_partial() else p for p in x._spec.placements])
+        x = x.redistribute(mesh_of(x), [Replicate() if p.is_partial() else p for p in placements_of(x)])
     if (x.ndim - 1) in sharded_dims(x):  # raises MissingShardPatch for nested sharding of one dim
         return delegate(func, types, args, kwargs)  # contraction over the sharded feature dim
-    mesh, mesh_dims = x._spec.mesh, sharding_mesh_dims(x)
+    mesh, mesh_dims = mesh_of(x), sharding_mesh_dims(x)
     weight = sum_grad_over(replicated_local(weight, "torch.nn.functional.linear: weight"), mesh, mesh_dims)
     if bias is not None:
         bias = sum_grad_over(replicated_local(bias, "torch.nn.functional.linear: bias"), mesh, mesh_dims)
@@ -153,7 +155,7 @@ def sharded_embedding(
         or a["sparse"]
     ):
         return delegate(func, types, args, kwargs)
-    mesh, mesh_dims = ids._spec.mesh, sharding_mesh_dims(ids)
+    mesh, mesh_dims = mesh_of(ids), sharding_mesh_dims(ids)
     table = sum_grad_over(replicated_local(weight, "torch.nn.functional.embedding: weight"), mesh, mesh_dims)
     local = F.embedding(local_of(ids), table, a["padding_idx"])
     return from_local_like(local, ids)

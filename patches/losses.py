@@ -87,6 +87,8 @@ from physicsnemo_shardext.primitives import (
     is_partial,
     is_replicated,
     local_of,
+    mesh_of,
+    placements_of,
     replicated_local,
     replicated_part,
     sharded_dims,
@@ -149,20 +151,20 @@ def _is_sharded_dtensor(value: Any) -> bool:
 def _same_sharding(a: ShardTensor, b: ShardTensor) -> bool:
     return (
         a.shape == b.shape
-        and a._spec.mesh == b._spec.mesh
-        and tuple(a._spec.placements) == tuple(b._spec.placements)
+        and mesh_of(a) == mesh_of(b)
+        and placements_of(a) == placements_of(b)
         and {d: l.sizes for d, l in sharded_dims(a).items()} == {d: l.sizes for d, l in sharded_dims(b).items()}
     )
 
 
 def _replicated_scalar(value: torch.Tensor, like: ShardTensor) -> ShardTensor:
-    mesh = like._spec.mesh
+    mesh = mesh_of(like)
     return build_shard_tensor(value, mesh, [Replicate()] * mesh.ndim, {})
 
 
 def _reduce(local: torch.Tensor, like: ShardTensor, reduction: str, divisor: Callable[[], torch.Tensor | float]) -> Any:
     """Sum ``local`` over every shard; ``"mean"`` divides by ``divisor()``. Returns a Replicate scalar."""
-    total = sum_to_replicated(local.sum(), like._spec.mesh, sharding_mesh_dims(like))
+    total = sum_to_replicated(local.sum(), mesh_of(like), sharding_mesh_dims(like))
     if reduction == "mean":
         total = total / divisor()
     return _replicated_scalar(total, like)
@@ -236,7 +238,7 @@ def elementwise_loss(
         weights = local_arguments.get(form.mean_by) if form.mean_by else None
         if isinstance(weights, torch.Tensor):
             local_weight = weights.expand(local.shape).sum()
-            return sum_to_replicated(local_weight, reference._spec.mesh, sharding_mesh_dims(reference))
+            return sum_to_replicated(local_weight, mesh_of(reference), sharding_mesh_dims(reference))
         if reduction == "batchmean":
             return float(reference.shape[0]) if reference.ndim else 1.0
         return float(math.prod(reference.shape))
@@ -309,7 +311,7 @@ def class_loss(
         target_local = replicated_local(target, f"{func.__name__}: target")
         for d, layout in layouts.items():
             target_local = target_local.narrow(_target_dim(d), layout.start, layout.local_size)
-    mesh, mesh_dims = x._spec.mesh, sharding_mesh_dims(x)
+    mesh, mesh_dims = mesh_of(x), sharding_mesh_dims(x)
     weight_local = replicated_local(weight, f"{func.__name__}: weight")
     if isinstance(weight_local, torch.Tensor) and weight_local.requires_grad:
         weight_local = sum_grad_over(weight_local, mesh, mesh_dims)  # each rank saw only its rows' classes
@@ -336,9 +338,9 @@ def class_loss(
 
 def _class_output(local: torch.Tensor, x: ShardTensor) -> ShardTensor:
     """Wrap a per-target loss (the input's dims without the class dim) with the input's sharding."""
-    placements = [Shard(_target_dim(p.dim % x.ndim)) if isinstance(p, Shard) else p for p in x._spec.placements]
+    placements = [Shard(_target_dim(p.dim % x.ndim)) if isinstance(p, Shard) else p for p in placements_of(x)]
     sizes = {_target_dim(d): l.sizes for d, l in sharded_dims(x).items()}
-    return build_shard_tensor(local, x._spec.mesh, placements, sizes)
+    return build_shard_tensor(local, mesh_of(x), placements, sizes)
 
 
 # -- norms ---------------------------------------------------------------------------------
@@ -430,14 +432,14 @@ def _norm_output(local: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim
     placements: list[Any] = []
     sizes: dict[int, Sequence[int]] = {}
     layouts = sharded_dims(x)
-    for placement in x._spec.placements:
+    for placement in placements_of(x):
         if isinstance(placement, Shard) and placement.dim % x.ndim not in reduced:
             d = placement.dim % x.ndim
             placements.append(Shard(new_dim(d)))
             sizes[new_dim(d)] = layouts[d].sizes
         else:
             placements.append(Replicate() if isinstance(placement, Shard) else placement)
-    return build_shard_tensor(local, x._spec.mesh, placements, sizes)
+    return build_shard_tensor(local, mesh_of(x), placements, sizes)
 
 
 # -- torch's l1_loss drops weight= on dispatch --------------------------------------------
@@ -507,7 +509,7 @@ def _global_sum(local: torch.Tensor, x: ShardTensor, reduced: set[int]) -> torch
     """Sum over ``reduced`` dims of the global tensor, kept as size-1 dims; Replicate over the reduced mesh dims."""
     layouts = sharded_dims(x)
     partial = local.sum(dim=tuple(sorted(reduced)), keepdim=True) if reduced else local
-    return sum_to_replicated(partial, x._spec.mesh, sorted(layouts[d].mesh_dim for d in reduced & set(layouts)))
+    return sum_to_replicated(partial, mesh_of(x), sorted(layouts[d].mesh_dim for d in reduced & set(layouts)))
 
 
 def _finish(result: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim: bool) -> ShardTensor:
@@ -607,7 +609,7 @@ class _MeanInDeviations(torch.autograd.Function):
 def _mean_in_deviations(mean: torch.Tensor, x: ShardTensor, reduced: set[int]) -> torch.Tensor:
     layouts = sharded_dims(x)
     mesh_dims = tuple(sorted(layouts[d].mesh_dim for d in reduced & set(layouts)))
-    return _MeanInDeviations.apply(mean, x._spec.mesh, mesh_dims)
+    return _MeanInDeviations.apply(mean, mesh_of(x), mesh_dims)
 
 
 @eager_handler

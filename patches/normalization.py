@@ -87,6 +87,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     local_of,
+    mesh_of,
     output_dtype_under_autocast,
     profiled_range,
     replicated_local,
@@ -124,7 +125,7 @@ def _param(t: Any, x: ShardTensor, op: str, name: str) -> torch.Tensor | None:
     """Local full copy of a Replicate parameter whose gradient is completed over the shards."""
     if t is None:
         return None
-    return sum_grad_over(replicated_local(t, f"{op}: {name}"), x._spec.mesh, sharding_mesh_dims(x))
+    return sum_grad_over(replicated_local(t, f"{op}: {name}"), mesh_of(x), sharding_mesh_dims(x))
 
 
 def _buffer(t: Any, op: str, name: str) -> torch.Tensor | None:
@@ -146,7 +147,7 @@ def _moments(
     The partial sums feed back into every rank's sharded rows: ``all_reduce_sum`` (sum forward
     and backward).
     """
-    return _moments_over(x, dims, like._spec.mesh, mesh_dims, count)
+    return _moments_over(x, dims, mesh_of(like), mesh_dims, count)
 
 
 def _moments_over(
@@ -351,7 +352,7 @@ def batch_norm_handler(
     # exactly those that shard the input: the same sums complete the parameter gradients.
     weight, bias = _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias")
     y, mean, var = _BatchNormTrain.apply(
-        _opmath(local), weight, bias, x._spec.mesh, tuple(_mesh_dims_sharding(layouts, dims, ndim)),
+        _opmath(local), weight, bias, mesh_of(x), tuple(_mesh_dims_sharding(layouts, dims, ndim)),
         tuple(dims), count, eps,
     )
     momentum = a["momentum"] if a["momentum"] is not None else 0.0
@@ -481,7 +482,7 @@ def instance_norm_handler(
             raise ValueError(f"Expected more than 1 spatial element when training, got input size {tuple(x.shape)}")
         y, mean, var = _GroupNormTrain.apply(
             _opmath(local), _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias"),
-            x._spec.mesh, tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
+            mesh_of(x), tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
             x.shape[1], count, eps,
         )
         if running_mean is not None or running_var is not None:
@@ -489,7 +490,7 @@ def instance_norm_handler(
             batch_mesh_dims, n = _mesh_dims_sharding(layouts, [0], ndim), x.shape[0]
             with torch.no_grad():
                 stats = torch.stack([mean.detach().flatten(1).sum(0), var.detach().flatten(1).sum(0)])
-                stats = all_reduce_sum(stats, x._spec.mesh, batch_mesh_dims) / n
+                stats = all_reduce_sum(stats, mesh_of(x), batch_mesh_dims) / n
             _update_running(running_mean, stats[0], a["momentum"])
             _update_running(running_var, stats[1] * (count / (count - 1)), a["momentum"])
         return from_local_like(_as_input(y, local, "aten::instance_norm"), x)
@@ -533,7 +534,7 @@ def group_norm_handler(
     # Statistics over (channels in group, spatial) of the grouped view; the sharded ones are spatial.
     y = _GroupNormTrain.apply(
         _opmath(local), _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias"),
-        x._spec.mesh, tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
+        mesh_of(x), tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
         groups_n, (n_channels // groups_n) * _count(x, spatial), a["eps"],
     )[0]
     return from_local_like(_as_input(y, local, "aten::group_norm"), x)
@@ -608,7 +609,7 @@ def rms_norm_handler(
         return from_local_like(F.rms_norm(local, tuple(x.shape[first:]), weight, a["eps"]), x)
     work = _opmath(local)
     eps = a["eps"] if a["eps"] is not None else torch.finfo(work.dtype).eps
-    square = all_reduce_sum((work * work).sum(dim=tuple(dims), keepdim=True), x._spec.mesh, stats_mesh_dims)
+    square = all_reduce_sum((work * work).sum(dim=tuple(dims), keepdim=True), mesh_of(x), stats_mesh_dims)
     y = work * torch.rsqrt(square / _count(x, dims) + eps)
     if weight is not None:
         y = y * weight

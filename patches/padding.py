@@ -73,6 +73,7 @@ from physicsnemo_shardext.primitives import (
     is_partial,
     local_of,
     meta_output_shape,
+    placements_of,
     sharded_dims,
 )
 
@@ -174,7 +175,7 @@ def sharded_pad(
     x, pad, mode, value = a["input"], tuple(int(p) for p in a["pad"]), a["mode"], a["value"]
     if not isinstance(x, ShardTensor):
         raise MissingShardPatch("torch.nn.functional.pad: the sharded tensor must be the input argument")
-    placements = tuple(x._spec.placements)
+    placements = placements_of(x)
     if is_partial(x):
         if mode in ("reflect", "replicate") or (mode == "constant" and not value):
             return delegate(func, types, args, kwargs)  # linear in x: the built-in pads each rank's term

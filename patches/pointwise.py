@@ -85,8 +85,11 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     is_partial,
     local_of,
+    mesh_of,
+    placements_of,
     replicated_local,
     require_shard_input,
+    shard_shapes_of,
     sharding_mesh_dims,
     sum_grad_over,
     wrap_local,
@@ -151,7 +154,7 @@ def local_pointwise(
         if partial:
             raise MissingShardPatch(
                 f"{describe_target(func)}(inplace=True): input has a Partial placement "
-                f"{tuple(tensor._spec.placements)}; an in-place activation of a partial sum cannot keep "
+                f"{placements_of(tensor)}; an in-place activation of a partial sum cannot keep "
                 "the placement (the DTensor fallback refuses it, or for hardswish computes it per term: "
                 "wrong); use inplace=False, or redistribute first"
             )
@@ -163,11 +166,11 @@ def local_pointwise(
         return delegate(func, types, args, kwargs)
     if partial:
         # The sum first (one all-reduce, differentiable), as the DTensor fallback does.
-        placements = [Replicate() if p.is_partial() else p for p in tensor._spec.placements]
-        tensor = tensor.redistribute(tensor._spec.mesh, placements)
+        placements = [Replicate() if p.is_partial() else p for p in placements_of(tensor)]
+        tensor = tensor.redistribute(mesh_of(tensor), placements)
     local_output = func(local_of(tensor), *rest, **kwargs)
     # Not from_local_like: it refuses one tensor dim sharded over several mesh dims, which this keeps.
-    return wrap_local(local_output, tensor._spec.mesh, tensor._spec.placements, tensor._spec.sharding_shapes())
+    return wrap_local(local_output, mesh_of(tensor), placements_of(tensor), shard_shapes_of(tensor))
 
 
 def _prelu(input: Any, weight: Any) -> None:
@@ -206,7 +209,7 @@ def prelu_local(
         why_partial="the DTensor fallback sums it right in the forward, but its backward fails: no rule for "
         "aten._prelu_kernel_backward",
     )
-    w = sum_grad_over(replicated_local(weight, f"{name}: weight"), x._spec.mesh, sharding_mesh_dims(x))
+    w = sum_grad_over(replicated_local(weight, f"{name}: weight"), mesh_of(x), sharding_mesh_dims(x))
     return from_local_like(F.prelu(local_of(x), w), x)
 
 
@@ -270,8 +273,7 @@ def _with_scalars(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         return None
     (tensor,) = tensors
     local_args = [local_of(a) if a is tensor else a for a in args]
-    spec = tensor._spec
-    return wrap_local(func(*local_args, **kwargs), spec.mesh, spec.placements, spec.sharding_shapes())
+    return wrap_local(func(*local_args, **kwargs), mesh_of(tensor), placements_of(tensor), shard_shapes_of(tensor))
 
 
 #: Dtype conversions: elementwise, so each rank converts its own block.
@@ -305,8 +307,7 @@ def local_conversion(
         return delegate(func, types, args, kwargs)
     if func is torch.Tensor.type and not isinstance(kwargs.get("dtype", rest[0] if rest else None), torch.dtype):
         return delegate(func, types, args, kwargs)
-    spec = x._spec
-    return wrap_local(func(local_of(x), *rest, **kwargs), spec.mesh, spec.placements, spec.sharding_shapes())
+    return wrap_local(func(local_of(x), *rest, **kwargs), mesh_of(x), placements_of(x), shard_shapes_of(x))
 
 
 #: The handler of every target this family declares, with its description.

@@ -71,7 +71,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Replicate
@@ -91,7 +90,10 @@ from physicsnemo_shardext.primitives import (
     gather_global_indices,
     is_partial,
     local_of,
+    max_over,
     meta_output_shape,
+    min_over,
+    placements_of,
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
@@ -507,7 +509,7 @@ def adaptive_pool_handler(
     else:
         values = _sum_pool(blocks, block_len, block_len)
 
-    placements = list(x._spec.placements)
+    placements = list(placements_of(x))
     for ad in dims:
         if not ad.is_global:
             continue
@@ -528,11 +530,10 @@ def adaptive_pool_handler(
 
 def _global_max(values: torch.Tensor, indices: torch.Tensor, layout: DimLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Max over the ranks along ``layout``'s mesh dim; ties go to the smallest global flat index (PyTorch's first max)."""
-    group = layout.group
-    best = values.detach().clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
-    candidate = torch.where(values.detach() == best, indices, torch.full_like(indices, _INDEX_NONE))
-    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+    over = [layout.mesh_dim]
+    best = max_over(values, layout.mesh, over)
+    tied = torch.where(values.detach() == best, indices, torch.full_like(indices, _INDEX_NONE))
+    candidate = min_over(tied, layout.mesh, over)
     mine = (indices == candidate) & (values.detach() == best)
     # Only the winner contributes, so the gradient reaches exactly one element.
     winner = torch.where(mine, values, torch.zeros_like(values))

@@ -56,7 +56,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
@@ -64,6 +63,7 @@ from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
+    all_gather_rows,
     all_reduce_sum,
     bind_arguments,
     delegate,
@@ -74,6 +74,7 @@ from physicsnemo_shardext.primitives import (
     is_partial,
     linear_backward,
     local_of,
+    max_over,
     normalize_dim,
     output_dtype_under_autocast,
     require_shard_input,
@@ -111,8 +112,8 @@ def _global_row_max(local: torch.Tensor, layout: DimLayout) -> torch.Tensor:
             shape[dim] = 1
             row_max = local.new_full(shape, float("-inf"))
         else:
-            row_max = local.amax(dim, keepdim=True).clone()
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=layout.group)
+            row_max = local.amax(dim, keepdim=True)
+        row_max = max_over(row_max, layout.mesh, [layout.mesh_dim])
     # A row whose every entry is -inf keeps max -inf: exp(x - max) is then nan, as in torch.
     return row_max
 
@@ -231,10 +232,7 @@ def _suffix_sum(grad: torch.Tensor, layout: DimLayout) -> torch.Tensor:
 
 def _gather_rows(row: torch.Tensor, layout: DimLayout) -> list[torch.Tensor]:
     """All-gather ``row`` along the layout's mesh dim; returned in coordinate order."""
-    received = [torch.empty_like(row) for _ in range(layout.parts)]
-    dist.all_gather(received, row.contiguous(), group=layout.group)
-    by_group_rank = {group_rank: t for group_rank, t in enumerate(received)}
-    return [by_group_rank[layout.group_ranks[c]] for c in range(layout.parts)]
+    return list(all_gather_rows(row.unsqueeze(0), layout.mesh, layout.mesh_dim, 0).unbind(0))
 
 
 CUMSUM_TARGETS: tuple[Callable[..., Any], ...] = (torch.cumsum, torch.Tensor.cumsum)

@@ -45,19 +45,22 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from physicsnemo.domain_parallel._shard_tensor_spec import ShardTensorSpec
 from torch.distributed.tensor import Replicate, Shard
+
+# The DTensor internals this family patches (`OWNERS`) and must agree with (torch.chunk's local shape).
 from torch.distributed.tensor import _api as dtensor_api
 from torch.distributed.tensor import _dispatch as dtensor_dispatch
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
+from physicsnemo_shardext.primitives import all_gather_rows, spec_shard_shapes, spec_with_placements
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = ["OWNERS", "chunk_mismatches", "guarded_redistribute"]
 
@@ -71,7 +74,7 @@ def chunk_mismatches(local: torch.Tensor, current: DTensorSpec, target: DTensorS
     Examples:
         A ``(7,)`` tensor held as 5 + 2 on 2 ranks, redistributed to ``Replicate``:
 
-        >>> from torch.distributed.tensor._dtensor_spec import TensorMeta
+        >>> from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         >>> meta = TensorMeta(torch.Size([7]), (1,), torch.float32)
         >>> current = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
         >>> target = DTensorSpec(mesh, (Replicate(),), tensor_meta=meta)
@@ -88,7 +91,7 @@ def chunk_mismatches(local: torch.Tensor, current: DTensorSpec, target: DTensorS
     if not moved:
         return []
     expected, _ = compute_local_shape_and_global_offset(current.shape, current.mesh, current.placements)
-    shapes = current.sharding_shapes() if isinstance(current, ShardTensorSpec) else None
+    shapes = spec_shard_shapes(current)
     return [(m, d, expected[d]) for m, d in moved if _not_chunked(m, d, local, expected, current, shapes)]
 
 
@@ -112,17 +115,6 @@ def _not_chunked(
         sizes = [shape[dim] for shape in shapes[mesh_dim]]
         return sizes != _chunk_sizes(current.shape[dim], len(sizes))
     return bool(local.shape[dim] != expected[dim])
-
-
-def _gather_rows(local: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather ``local`` along ``dim`` when rank ``c`` of ``group`` holds ``sizes[c]`` rows."""
-    width = max(sizes)
-    pad = [0] * (2 * local.ndim)
-    pad[2 * (local.ndim - 1 - dim) + 1] = width - local.shape[dim]
-    padded = torch.nn.functional.pad(local.contiguous(), pad) if width != local.shape[dim] else local.contiguous()
-    pieces = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(pieces, padded, group=group)
-    return torch.cat([piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)], dim=dim)
 
 
 def _describe(current: DTensorSpec, local: torch.Tensor) -> str:
@@ -150,7 +142,7 @@ def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[...,
         if not mismatches:
             return original(local_tensor, current_spec, target_spec, *args, **kwargs)
         placements = list(current_spec.placements)
-        shapes = current_spec.sharding_shapes() if isinstance(current_spec, ShardTensorSpec) else None
+        shapes = spec_shard_shapes(current_spec)
         for mesh_dim, dim, expected in mismatches:
             gatherable = shapes and not _nested(current_spec.placements, dim)
             if not (isinstance(target_spec.placements[mesh_dim], (Replicate, Shard)) and gatherable):
@@ -161,9 +153,9 @@ def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[...,
                     "DTensor would compute wrong values. This op needs a shard patch for uneven splits"
                 )
             sizes = [shape[dim] for shape in shapes[mesh_dim]]
-            local_tensor = _gather_rows(local_tensor, dim, sizes, current_spec.mesh.get_group(mesh_dim))
+            local_tensor = all_gather_rows(local_tensor, current_spec.mesh, mesh_dim, dim, sizes)
             placements[mesh_dim] = Replicate()
-        gathered = DTensorSpec(current_spec.mesh, tuple(placements), tensor_meta=current_spec.tensor_meta)
+        gathered = spec_with_placements(current_spec, placements)
         return original(local_tensor, gathered, target_spec, *args, **kwargs)
 
     redistribute_local_tensor.__wrapped__ = original  # type: ignore[attr-defined]

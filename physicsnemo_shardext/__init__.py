@@ -11,20 +11,20 @@ Importing the package
 Public API (stable names; everything else is internal and may change):
 
 * this package's top level (``__all__`` below): plugin markers and hook types,
-  the registry, settings, errors, ``initialize``;
+  the registry, settings, errors, ``initialize`` / ``shutdown`` / ``exit_rank``;
 * ``physicsnemo_shardext.primitives``: the handler vocabulary patches are written in;
 * ``physicsnemo_shardext.testing``: multi-rank fixtures, sharding and conformance helpers;
-* ``physicsnemo_shardext.parallel``: hybrid ddp x domain training steps (layout,
-  scattering, DDP/FSDP2 wrapping, optimizer groups, checkpoints);
-* ``physicsnemo_shardext.verification``: a hybrid training run checked against
-  single-process training;
+* ``physicsnemo_shardext.training.parallel`` (also ``physicsnemo_shardext.parallel``):
+  hybrid ddp x domain training steps (layout, scattering, DDP/FSDP2 wrapping,
+  optimizer groups, checkpoints);
+* ``physicsnemo_shardext.training.verification`` (also ``physicsnemo_shardext.verification``):
+  a hybrid training run checked against single-process training;
 * ``physicsnemo_shardext.hookspecs``: the hook specifications (for reading).
 
-Internal modules (their public classes are re-exported above): ``loader``,
-``registry``, ``resolution``, ``shard_registries``, ``baseline``, ``requirements``,
-``inventory``, ``trace``, ``cli``, ``scaffold``, ``verify_command``, ``model_check``,
-``op_trace``, ``verify_html`` and the first-party ``patches``.
-The module map is in ``docs/concepts.md``.
+The wings (internal; their public classes are re-exported above): ``engine/``
+(discovery, registry, resolution, built-ins, provenance), ``tools/`` (what the
+``shardext`` command runs), ``training/``, ``ranks/`` (the rank runner) and the
+first-party ``patches``. The module map is in ``docs/concepts.md``.
 
 Examples:
     >>> import physicsnemo_shardext as shardext
@@ -40,15 +40,9 @@ from collections.abc import Iterable, Iterator
 from importlib import metadata
 from typing import Any
 
-from physicsnemo_shardext import cli as _cli  # imports only the standard library
-
-# `shardext new` and `shardext --help` need neither torch nor PhysicsNeMo: in that
-# process the command runs here, before either is imported, and the process ends.
-_cli.run_torch_free_command()
-
-from physicsnemo_shardext.baseline import builtin_handler, ensure_builtin_patches
+from physicsnemo_shardext.engine.baseline import builtin_handler, ensure_builtin_patches
 from physicsnemo_shardext.declarations import DispatchHandler, FunctionHandler, PatchDeclaration, PatchSet
-from physicsnemo_shardext.distributed import distributed_session, initialize, shutdown
+from physicsnemo_shardext.training.distributed import distributed_session, exit_rank, initialize, shutdown
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
     InvalidPatchDeclaration,
@@ -60,10 +54,10 @@ from physicsnemo_shardext.errors import (
     ShardextWarning,
     UndeclaredPatchError,
 )
-from physicsnemo_shardext.loader import PluginLoader, resume_ready
+from physicsnemo_shardext.engine.loader import PluginLoader, resume_ready
 from physicsnemo_shardext.markers import hookimpl
-from physicsnemo_shardext.provenance import InstalledPatch, PluginInfo, PluginReport
-from physicsnemo_shardext.registry import PatchRegistry
+from physicsnemo_shardext.engine.provenance import InstalledPatch, PluginInfo, PluginReport
+from physicsnemo_shardext.engine.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
 from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel, original_attribute
 from physicsnemo_shardext.targets import describe_target
@@ -93,6 +87,7 @@ __all__ = [
     "describe_target",
     "disabled",
     "distributed_session",
+    "exit_rank",
     "get_registry",
     "hookimpl",
     "initialize",
@@ -163,10 +158,5 @@ def sandbox() -> Iterator[Any]:
 
 
 ensure_builtin_patches()
-if _settings.autoload:
-    if _cli.started_as_cli():
-        # The ``shardext`` command: plugins' prints go to stderr (``--json`` stays valid)
-        # and what they raise is reported by the command instead of ending it.
-        _cli.autoload_for_cli(lambda: load_plugins(_settings))
-    else:
-        load_plugins(_settings)
+if _settings.autoload:  # the ``shardext`` console script defers this and loads through its own guard
+    load_plugins(_settings)

@@ -1,16 +1,12 @@
-"""``python -m physicsnemo_shardext`` runs the ``shardext`` command."""
+"""``python -m physicsnemo_shardext`` runs the ``shardext`` command (after an ordinary import of the package)."""
 
 import os
 import sys
 
-from physicsnemo_shardext.cli import main
+from physicsnemo_shardext.tools.cli import main
+from physicsnemo_shardext.training.distributed import exit_rank
 
 code = main()
 if os.environ.get("WORLD_SIZE") and sys.argv[1:2] == ["verify"]:
-    # A torchrun rank whose check has finished and reported: leave without the interpreter's
-    # teardown, in which gloo's transport threads aborted the process after a MATCH (SIGABRT,
-    # "terminate called without an active exception", about one run in eight on 2 CPU ranks).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_rank(code)  # a torchrun rank that has reported: no interpreter teardown (gloo can abort there)
 sys.exit(code)

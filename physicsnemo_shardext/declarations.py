@@ -54,7 +54,7 @@ class PatchDeclaration:
         description: one line for ``shardext list``.
         alias_of: ``None`` for a declaration the plugin made; for the copy the registry
             installs under a torch alias nobody declared (``torch.concat`` for a
-            declaration of ``torch.cat``, see `physicsnemo_shardext.aliases`), the target
+            declaration of ``torch.cat``, see `physicsnemo_shardext.engine.aliases`), the target
             the plugin declared.
     """
 

@@ -12,7 +12,7 @@ import pytest
 
 import physicsnemo_shardext
 from physicsnemo_shardext import shard_registries
-from physicsnemo_shardext.registry import PatchRegistry
+from physicsnemo_shardext.engine.registry import PatchRegistry
 
 # pytester drives inner pytest runs in tests/testing/test_pytest_plugin.py.
 pytest_plugins = ["pytester"]

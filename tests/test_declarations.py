@@ -130,7 +130,7 @@ def test_two_forms_of_one_custom_op_are_a_duplicate():
 
 def test_custom_op_handler_is_installed_under_both_names_and_undone(fresh_registry, pristine_registries):
     from physicsnemo_shardext import shard_registries
-    from physicsnemo_shardext.provenance import PluginInfo
+    from physicsnemo_shardext.engine.provenance import PluginInfo
 
     patches = PatchSet("forms")
     patches.named("shardext_test::declarations_affine", handler)
@@ -147,7 +147,7 @@ def test_custom_op_handler_is_installed_under_both_names_and_undone(fresh_regist
 
 def test_tie_on_a_custom_op_is_reported_once(fresh_registry):
     from physicsnemo_shardext import ShardextWarning
-    from physicsnemo_shardext.provenance import PluginInfo
+    from physicsnemo_shardext.engine.provenance import PluginInfo
 
     for name, form in (("one", affine), ("two", torch.ops.shardext_test.declarations_affine)):
         patches = PatchSet(name)
@@ -164,7 +164,7 @@ def test_handler_runs_for_every_call_form(domain_mesh, rank, registry_sandbox, f
     from torch.distributed.tensor import Shard
 
     from physicsnemo_shardext.primitives import from_local_like
-    from physicsnemo_shardext.provenance import PluginInfo
+    from physicsnemo_shardext.engine.provenance import PluginInfo
     from physicsnemo_shardext.testing import shard_tensor
 
     calls = []

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import physicsnemo_shardext.hookspecs as hookspecs
-from physicsnemo_shardext.cli import build_parser
+from physicsnemo_shardext.tools.cli import build_parser
 from physicsnemo_shardext.markers import PROJECT_NAME
 from physicsnemo_shardext.settings import ENVIRONMENT_VARIABLES
 

@@ -77,7 +77,7 @@ def _check(name: str, extraglobs: dict | None = None) -> None:
 def test_discovery_sees_the_patches_and_primitives():
     assert "physicsnemo_shardext.primitives.layout" in MULTIRANK
     assert "physicsnemo_shardext.patches.pointwise" in MULTIRANK
-    assert "physicsnemo_shardext.registry" in SINGLE_PROCESS
+    assert "physicsnemo_shardext.engine.registry" in SINGLE_PROCESS
 
 
 def test_exemptions_name_real_modules():

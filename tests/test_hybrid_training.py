@@ -2,7 +2,7 @@
 
 Each cell trains PhysicsNeMo's FNO (defaults) or AFNO (its ``pos_embed`` a
 spatial parameter on the FSDP2 path) for a few SGD steps through
-`physicsnemo_shardext.verification.verify_training`, against the single-process
+`physicsnemo_shardext.training.verification.verify_training`, against the single-process
 run of the same global batches (the baseline every cell carries), and asserts:
 losses, every parameter gradient at the first step and the parameters at the end
 within ``1e-5`` relative in fp32, and parameters identical on every rank.
@@ -90,8 +90,8 @@ def _cell_params():
 @pytest.mark.multirank(4, timeout=600)
 @pytest.mark.parametrize(("model", "cell", "compiled"), _cell_params())
 def test_smoke_matrix_cell_matches_single_process(model, cell, compiled, rank):
-    from physicsnemo_shardext.parallel import build_layout
-    from physicsnemo_shardext.verification import verify_training
+    from physicsnemo_shardext.training.parallel import build_layout
+    from physicsnemo_shardext.training.verification import verify_training
 
     if compiled:
         torch._dynamo.reset()
@@ -113,7 +113,7 @@ def test_smoke_matrix_cell_matches_single_process(model, cell, compiled, rank):
 
 @pytest.mark.multirank(4)
 def test_a_world_size_that_does_not_factor_is_refused(rank):
-    from physicsnemo_shardext.parallel import build_layout
+    from physicsnemo_shardext.training.parallel import build_layout
 
     with pytest.raises(ValueError, match="3"):
         build_layout(3, None)
@@ -123,7 +123,7 @@ def test_a_world_size_that_does_not_factor_is_refused(rank):
 
 @pytest.mark.multirank(4)
 def test_two_samples_in_one_domain_group_are_refused(rank):
-    from physicsnemo_shardext.parallel import build_layout, scatter_input
+    from physicsnemo_shardext.training.parallel import build_layout, scatter_input
 
     layout = build_layout(2, 2)
     with pytest.raises(ValueError, match="one sample per domain group"):

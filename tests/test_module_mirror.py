@@ -1,8 +1,8 @@
 """Every framework module has its test file: ``tests/`` mirrors ``physicsnemo_shardext/``.
 
-``physicsnemo_shardext/X.py`` is tested in ``tests/test_X.py``,
-``physicsnemo_shardext/primitives/X.py`` in ``tests/primitives/test_X.py`` and
-``physicsnemo_shardext/testing/X.py`` in ``tests/testing/test_X.py`` (a package's
+``physicsnemo_shardext/X.py`` is tested in ``tests/test_X.py`` and
+``physicsnemo_shardext/WING/X.py`` in ``tests/WING/test_X.py`` for every wing
+(``engine``, ``primitives``, ``ranks``, ``testing``, ``tools``, ``training``; a package's
 ``__init__.py`` in ``test_init.py``). Modules are discovered from the file system;
 a module tested elsewhere is listed below with where, so a new module without
 tests fails here by name.
@@ -19,26 +19,34 @@ PACKAGE = REPO / "physicsnemo_shardext"
 TESTS = REPO / "tests"
 
 #: Sub-packages mirrored under ``tests/``; the package's top level mirrors to ``tests/`` itself.
-MIRRORED_PACKAGES = ("", "primitives", "testing")
+MIRRORED_PACKAGES = ("", "engine", "primitives", "ranks", "testing", "tools", "training")
 
 #: Modules (path relative to the package) without a mirrored test file, and where they are tested.
 TESTED_ELSEWHERE: dict[str, str] = {
-    "__main__.py": "a two-line entry point; tests/test_cli.py runs `python -m physicsnemo_shardext`",
-    "baseline.py": "the built-in patches; tests/test_registry.py and tests/patches/* (builtin_handler)",
+    "__main__.py": "a short entry point; tests/tools/test_cli.py runs `python -m physicsnemo_shardext`",
+    "engine/__init__.py": "the wing's map (docstring, no code); its doctest runs in tests/test_doctests.py",
+    "engine/discovery.py": "entry points, identities, name clashes; tests/engine/test_loader.py (name clash tests)",
+    "engine/hook_checks.py": "hook and declaration messages; tests/engine/test_loader.py (unmarked hooks, undeclared patches)",
+    "engine/baseline.py": "the built-in patches; tests/engine/test_registry.py and tests/patches/* (builtin_handler)",
+    "engine/provenance.py": "report and record dataclasses; tests/engine/test_registry.py, tests/engine/test_loader.py",
+    "engine/trace.py": "SHARDEXT_TRACE wrappers; tests/engine/test_registry.py (trace mode) and tests/tools/test_cli.py",
     "errors.py": "exception classes only; raised and matched throughout tests/",
-    "hookspecs.py": "hook specifications; tests/test_docs.py (documented) and tests/test_loader.py (called)",
-    "inventory.py": "what `shardext list`/`doctor` print; tests/test_cli.py",
+    "hookspecs.py": "hook specifications; tests/test_docs.py (documented) and tests/engine/test_loader.py (called)",
     "markers.py": "the pluggy markers and project name; tests/test_docs.py and every plugin test",
-    "provenance.py": "report and record dataclasses; tests/test_registry.py, tests/test_loader.py",
-    "trace.py": "SHARDEXT_TRACE wrappers; tests/test_registry.py (trace mode) and tests/test_cli.py",
+    "parallel.py": "the old import path of training/parallel.py (re-exports); its doctest checks the names",
     "primitives/__init__.py": "re-exports only; every tests/primitives/* and tests/patches/* test imports it",
-    "primitives/delegation.py": "delegate/fallback; tests/test_registry.py and tests/testing/test_delegation.py",
+    "primitives/delegation.py": "delegate/fallback; tests/engine/test_registry.py and tests/testing/test_delegation.py",
+    "ranks/__init__.py": "the wing's map (docstring, no code); its doctest runs in tests/test_doctests.py",
+    "ranks/worker.py": "the rank process; every @pytest.mark.multirank test, tests/testing/test_pytest_plugin.py",
+    "ranks/worker_pool.py": "rank processes kept across tests; tests/testing/test_pytest_plugin.py",
     "testing/__init__.py": "lazy re-exports; every test importing physicsnemo_shardext.testing",
     "testing/isolation.py": "per-test sandbox and seeding; tests/testing/test_pytest_plugin.py",
     "testing/placeholders.py": "multirank fixture values; tests/testing/test_pytest_plugin.py",
-    "testing/plugin_packages.py": "throwaway plugin distributions; tests/test_init.py, tests/test_loader.py",
-    "testing/worker.py": "the rank process; every @pytest.mark.multirank test, tests/testing/test_pytest_plugin.py",
-    "testing/worker_pool.py": "rank processes kept across tests; tests/testing/test_pytest_plugin.py",
+    "testing/plugin_packages.py": "throwaway plugin distributions; tests/test_init.py, tests/engine/test_loader.py",
+    "tools/__init__.py": "the wing's map (docstring, no code); its doctest runs in tests/test_doctests.py",
+    "tools/inventory.py": "what `shardext list`/`doctor` print; tests/tools/test_cli.py",
+    "training/__init__.py": "the wing's map (docstring, no code); its doctest runs in tests/test_doctests.py",
+    "verification.py": "the old import path of training/verification.py (re-exports); its doctest checks the names",
 }
 
 
@@ -60,7 +68,7 @@ MODULES = _modules()
 
 
 def test_discovery_sees_every_mirrored_package():
-    assert {"registry.py", "primitives/layout.py", "testing/sharding.py"} <= set(MODULES)
+    assert {"engine/registry.py", "primitives/layout.py", "ranks/watchdog.py", "testing/sharding.py"} <= set(MODULES)
 
 
 def test_exemptions_name_real_modules_without_a_mirror():

@@ -28,12 +28,19 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 def test_wheel_maps_patches_into_the_package_namespace(wheel):
     names = wheel.namelist()
     assert "physicsnemo_shardext/patches/pointwise.py" in names
+    # a family split into a package by job ships every module of it
+    for module in ("__init__", "ring", "sdpa", "mha"):
+        assert f"physicsnemo_shardext/patches/attention/{module}.py" in names
     assert "physicsnemo_shardext/testing/pytest_plugin.py" in names
     assert "physicsnemo_shardext/hookspecs.py" in names
     assert "physicsnemo_shardext_pytest.py" in names  # the torch-free pytest entry point
+    assert "physicsnemo_shardext_cli.py" in names  # the torch-free console script
+    for wing_module in ("engine/loader.py", "tools/cli.py", "training/parallel.py", "ranks/worker.py"):
+        assert f"physicsnemo_shardext/{wing_module}" in names  # every wing ships
+    assert any(n.startswith("physicsnemo_shardext/tools/plugin-template/") and n.endswith(".tmpl") for n in names)
     top_level = {name.split("/")[0] for name in names}
     dist_info = next(n for n in top_level if n.endswith(".dist-info"))
-    assert top_level == {"physicsnemo_shardext", "physicsnemo_shardext_pytest.py", dist_info}
+    assert top_level == {"physicsnemo_shardext", "physicsnemo_shardext_pytest.py", "physicsnemo_shardext_cli.py", dist_info}
     assert not any(name.startswith(("patches/", "tests/", "entry_points/", "examples/")) for name in names)
 
 
@@ -44,10 +51,11 @@ def test_wheel_declares_plugin_pytest_and_console_entry_points(wheel):
     families = dict(line.split(" = ") for line in section)
     for family in ("pointwise", "normalization", "convolution", "fft", "indexing_einsum", "fallback_fix"):
         assert families[family] == f"physicsnemo_shardext.patches.{family}"
-    for module in families.values():  # every first-party entry point names a module the wheel ships
-        assert module.replace(".", "/") + ".py" in wheel.namelist()
+    for module in families.values():  # every first-party entry point names a module (or package) the wheel ships
+        path = module.replace(".", "/")
+        assert f"{path}.py" in wheel.namelist() or f"{path}/__init__.py" in wheel.namelist(), module
     assert "[pytest11]\nshardext = physicsnemo_shardext_pytest" in text
-    assert "shardext = physicsnemo_shardext.cli:main" in text
+    assert "shardext = physicsnemo_shardext_cli:main" in text
 
 
 def test_wheel_metadata_pins_physicsnemo_range(wheel):

@@ -9,17 +9,22 @@ only from ``physicsnemo_shardext`` and ``physicsnemo_shardext.primitives``):
    `is_partial`, `normalize_dim`; hand the rest to what was replaced
    with `delegate` (or call the DTensor path directly with `fallback`);
 3. **plan** without communication (the spec read through `mesh_of`, `placements_of`,
-   `shard_shapes_of`, `tensor_meta_of`): `sharded_dims`, `dim_layout`, `meta_output_shape`,
+   `shard_shapes_of`, `tensor_meta_of`; a spec handed to or from DTensor through `spec_of`,
+   `spec_shard_shapes`, `spec_with_placements`): `sharded_dims`, `dim_layout`, `meta_output_shape`,
    `DimLayout`, `sharding_mesh_dims`, `plan_exchange`,
    `halo_indices`, `split_rows_by_owner`, `balanced_split_sizes`;
 4. **exchange** rows and sums: `gather_global_indices`, `move_shard`,
    `transpose_shard`, `resplit_rows` / `align_shard` (boundaries to multiples
-   of ``k``, sizes from `aligned_split_sizes`), `gather_full`, and the three gradient contracts
+   of ``k``, sizes from `aligned_split_sizes`), `gather_full` (`all_gather_rows` for a
+   plain block and its per-rank sizes), `ring_shift` (one step of a ring: a flat buffer
+   to the next coordinate, from the previous; `pack_bytes` / `unpack_bytes` /
+   `packed_nbytes` lay several tensors out in it), and the three gradient contracts
    `sum_grad_over`, `all_reduce_sum`, `sum_to_replicated` (and `summed_over`,
    the bare sum, inside a hand-written backward; `linear_backward` keeps such a
    backward differentiable under ``create_graph=True``, `refuse_higher_order`
    refuses by name where it cannot be; `builds_graph` tells a second-order
-   backward apart);
+   backward apart); `max_over` / `min_over`, the elementwise maximum / minimum
+   over ranks (no gradient: a softmax's shift, a max pool's winner);
    replicated operands through `replicated_local` / `replicated_part`
    (`is_replicated` tells them apart; `elementwise_with_replicated` applies a
    binary op to a shard and a replicated operand);
@@ -54,6 +59,7 @@ from physicsnemo_shardext.primitives.checks import (
 )
 from physicsnemo_shardext.primitives.compilation import delegate_when_traced, eager_handler, is_tracing, refuse_tracing
 from physicsnemo_shardext.primitives.delegation import delegate, fallback
+from physicsnemo_shardext.primitives.gathering import all_gather_rows
 from physicsnemo_shardext.primitives.graph import connected_zeros, tie_to_graph
 from physicsnemo_shardext.primitives.higher_order import (
     builds_graph,
@@ -80,14 +86,30 @@ from physicsnemo_shardext.primitives.layout import (
 from physicsnemo_shardext.primitives.meta import meta_output_shape
 from physicsnemo_shardext.primitives.precision import autocast_float32, output_dtype_under_autocast
 from physicsnemo_shardext.primitives.profiling import profiled_range
-from physicsnemo_shardext.primitives.reductions import all_reduce_sum, sum_grad_over, sum_to_replicated, summed_over
+from physicsnemo_shardext.primitives.reductions import (
+    all_reduce_sum,
+    max_over,
+    min_over,
+    sum_grad_over,
+    sum_to_replicated,
+    summed_over,
+)
 from physicsnemo_shardext.primitives.replicated import (
     elementwise_with_replicated,
     gather_full,
     replicated_local,
     replicated_part,
 )
-from physicsnemo_shardext.primitives.spec import mesh_of, placements_of, shard_shapes_of, tensor_meta_of
+from physicsnemo_shardext.primitives.ring_shift import pack_bytes, packed_nbytes, ring_shift, unpack_bytes
+from physicsnemo_shardext.primitives.spec import (
+    mesh_of,
+    placements_of,
+    shard_shapes_of,
+    spec_of,
+    spec_shard_shapes,
+    spec_with_placements,
+    tensor_meta_of,
+)
 from physicsnemo_shardext.primitives.transpose import balanced_split_sizes, move_shard, transpose_shard
 from physicsnemo_shardext.primitives.wrapping import local_of, wrap_gradient, wrap_local
 from physicsnemo_shardext.targets import describe_target
@@ -95,6 +117,7 @@ from physicsnemo_shardext.targets import describe_target
 __all__ = [
     "align_shard",
     "aligned_split_sizes",
+    "all_gather_rows",
     "all_reduce_sum",
     "autocast_float32",
     "balanced_split_sizes",
@@ -123,11 +146,15 @@ __all__ = [
     "linear_backward",
     "local_of",
     "materialized",
+    "max_over",
     "mesh_of",
     "meta_output_shape",
+    "min_over",
     "move_shard",
     "normalize_dim",
     "output_dtype_under_autocast",
+    "pack_bytes",
+    "packed_nbytes",
     "placements_of",
     "plan_exchange",
     "profiled_range",
@@ -138,10 +165,14 @@ __all__ = [
     "replicated_part",
     "require_shard_input",
     "resplit_rows",
+    "ring_shift",
     "shard_shapes_of",
     "sharded_allocations",
     "sharded_dims",
     "sharding_mesh_dims",
+    "spec_of",
+    "spec_shard_shapes",
+    "spec_with_placements",
     "split_rows_by_owner",
     "sum_grad_over",
     "sum_to_replicated",
@@ -149,6 +180,7 @@ __all__ = [
     "tensor_meta_of",
     "tie_to_graph",
     "transpose_shard",
+    "unpack_bytes",
     "wrap_gradient",
     "wrap_local",
 ]

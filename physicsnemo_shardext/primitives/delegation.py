@@ -40,7 +40,7 @@ from typing import Any
 
 from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 
-from physicsnemo_shardext.baseline import builtin_handler
+from physicsnemo_shardext.engine.baseline import builtin_handler
 
 __all__ = ["delegate", "fallback"]
 

@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from physicsnemo_shardext.primitives.profiling import profiled_range
 
-__all__ = ["all_reduce_sum", "sum_grad_over", "sum_to_replicated", "summed_over"]
+__all__ = ["all_reduce_sum", "max_over", "min_over", "sum_grad_over", "sum_to_replicated", "summed_over"]
 
 
 def _spanning(mesh: DeviceMesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
@@ -85,6 +85,53 @@ def summed_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int])
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
     return total
 
+
+def _reduced_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int], op: Any, name: str) -> torch.Tensor:
+    """A contiguous, detached copy of ``value`` all-reduced with ``op`` over each spanning mesh dim in turn."""
+    result = value.detach().clone(memory_format=torch.contiguous_format)
+    spanning = _spanning(mesh, mesh_dims)
+    if not spanning:
+        return result
+    with profiled_range(name):
+        for mesh_dim in spanning:
+            dist.all_reduce(result, op=op, group=mesh.get_group(mesh_dim))
+    return result
+
+
+def max_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """The elementwise maximum of every rank's ``value`` over ``mesh_dims``; a new tensor, not differentiable.
+
+    For a shift that needs no gradient (a softmax's row maximum over a sharded dim,
+    the winning value of a max pool) or a decision every rank must take alike. Each
+    rank passes a tensor of the same shape and dtype; a rank without rows of its own
+    passes the identity of the maximum (``-inf``, or the dtype's smallest value).
+    ``value`` is left as it was. One all-reduce per mesh dim of more than one rank;
+    none (a copy) where every dim has a single rank.
+
+    Examples:
+        On 2 ranks:
+
+        >>> max_over(torch.tensor([rank + 1.0, -rank]), mesh, [0])
+        tensor([2., 0.])
+    """
+    return _reduced_over(value, mesh, mesh_dims, dist.ReduceOp.MAX, "shardext.max_over")
+
+
+def min_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """The elementwise minimum of every rank's ``value`` over ``mesh_dims``; a new tensor, not differentiable.
+
+    The counterpart of `max_over`: the smallest candidate index among tied maxima (a
+    max pool's first maximum, as PyTorch picks it), the smallest of per-rank bounds.
+    A rank without a candidate passes the identity of the minimum (``inf``, or the
+    dtype's largest value).
+
+    Examples:
+        On 2 ranks:
+
+        >>> min_over(torch.tensor([rank + 1, 5 - rank]), mesh, [0])
+        tensor([1, 4])
+    """
+    return _reduced_over(value, mesh, mesh_dims, dist.ReduceOp.MIN, "shardext.min_over")
 
 
 def _apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:

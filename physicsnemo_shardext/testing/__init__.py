@@ -60,33 +60,39 @@ _EXPORTS: dict[str, str] = {
     "redraw_zero_parameters": "model_init",
     "without_random_masks": "model_init",
     # communication accounting
-    "CommCounter": "comm_accounting",
-    "CommStats": "comm_accounting",
-    "PhaseCommStats": "comm_accounting",
+    "CommCounter": "physicsnemo_shardext.ranks.comm_accounting",
+    "CommStats": "physicsnemo_shardext.ranks.comm_accounting",
+    "PhaseCommStats": "physicsnemo_shardext.ranks.comm_accounting",
     # activation all-gather detection
-    "GatherRecorder": "activation_gathers",
-    "assert_no_activation_gather": "activation_gathers",
-    "smallest_activation_numel": "activation_gathers",
+    "GatherRecorder": "physicsnemo_shardext.ranks.activation_gathers",
+    "assert_no_activation_gather": "physicsnemo_shardext.ranks.activation_gathers",
+    "smallest_activation_numel": "physicsnemo_shardext.ranks.activation_gathers",
     # per-test isolation
     "rank_test_environment": "isolation",
     "registry_sandbox_context": "isolation",
     "deterministic": "isolation",
     "DEFAULT_SEED": "isolation",
     # worker pool (for tooling; tests use the marker)
-    "WorkerPool": "worker_pool",
-    "PoolOutcome": "worker_pool",
+    "WorkerPool": "physicsnemo_shardext.ranks.worker_pool",
+    "PoolOutcome": "physicsnemo_shardext.ranks.worker_pool",
     "mesh_for": "placeholders",
 }
 
 __all__ = sorted(_EXPORTS)
 
+
+def _module_of(name: str) -> str:
+    # The rank runner's names live in physicsnemo_shardext.ranks (runtime, not test kit); re-exported here.
+    module = _EXPORTS[name]
+    return module if "." in module else f"{__name__}.{module}"
+
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ imports lazily
-    from physicsnemo_shardext.testing.activation_gathers import (
+    from physicsnemo_shardext.ranks.activation_gathers import (
         GatherRecorder,
         assert_no_activation_gather,
         smallest_activation_numel,
     )
-    from physicsnemo_shardext.testing.comm_accounting import CommCounter, CommStats, PhaseCommStats
+    from physicsnemo_shardext.ranks.comm_accounting import CommCounter, CommStats, PhaseCommStats
     from physicsnemo_shardext.testing.conformance import (
         ConformanceError,
         ConformanceReport,
@@ -113,13 +119,13 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         sharding_shapes_for,
     )
     from physicsnemo_shardext.testing.splits import SplitCase, split_cases
-    from physicsnemo_shardext.testing.worker_pool import PoolOutcome, WorkerPool
+    from physicsnemo_shardext.ranks.worker_pool import PoolOutcome, WorkerPool
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    value = getattr(importlib.import_module(_module_of(name)), name)
     globals()[name] = value
     return value
 

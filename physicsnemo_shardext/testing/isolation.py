@@ -27,8 +27,10 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_SEED",
+    "RANK_TASK_ENVIRONMENT",
     "UPSTREAM_WARNINGS",
     "deterministic",
+    "rank_task_environment",
     "rank_test_environment",
     "registry_sandbox_context",
     "seed_everything",
@@ -111,3 +113,43 @@ def rank_test_environment(seed: int = DEFAULT_SEED) -> Iterator[Any]:
     """Everything a test body gets on each rank; yields the sandbox's value (the registry)."""
     with registry_sandbox_context() as registry, deterministic(seed), upstream_warnings_filtered():
         yield registry
+
+
+#: What a multirank test's `RankTask` names as its environment (``ranks`` knows nothing of pytest).
+RANK_TASK_ENVIRONMENT = "physicsnemo_shardext.testing.isolation:rank_task_environment"
+
+
+@contextlib.contextmanager
+def rank_task_environment(kwargs: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
+    """A test body's setup on a pooled rank: `rank_test_environment`, fixtures built, a pytest skip reported.
+
+    Placeholder fixtures (the mesh, the rank) are materialized here; a ``monkeypatch``
+    fixture's changes on this rank are undone afterwards, since its teardown runs in
+    the pytest process on the pickled original and a long-lived rank would keep them.
+
+    Examples:
+        >>> with rank_task_environment({"n": 3}, seed=7) as arguments:
+        ...     arguments
+        {'n': 3}
+    """
+    from _pytest.outcomes import Skipped
+
+    from physicsnemo_shardext.ranks.worker import TaskSkipped
+    from physicsnemo_shardext.testing.placeholders import materialize
+
+    with rank_test_environment(seed) as registry:
+        arguments = materialize(kwargs, registry)
+        try:
+            yield arguments
+        except Skipped as skipped:
+            raise TaskSkipped(str(getattr(skipped, "msg", skipped))) from skipped
+        finally:
+            _undo_monkeypatches(arguments)
+
+
+def _undo_monkeypatches(arguments: dict[str, Any]) -> None:
+    import pytest
+
+    for value in arguments.values():
+        if isinstance(value, pytest.MonkeyPatch):
+            value.undo()

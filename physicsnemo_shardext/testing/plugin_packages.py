@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
-from physicsnemo_shardext.loader import ENTRY_POINT_GROUP as GROUP
+from physicsnemo_shardext.engine.loader import ENTRY_POINT_GROUP as GROUP
 from physicsnemo_shardext.markers import DISTRIBUTION_NAME as FIRST_PARTY_DISTRIBUTION
 
 __all__ = ["entry_points_in", "first_party_entry_points", "write_plugin_distribution"]

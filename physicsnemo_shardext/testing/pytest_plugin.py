@@ -43,7 +43,7 @@ Examples:
 Timeout precedence: marker ``timeout=`` > ``SHARDEXT_TEST_TIMEOUT`` env var >
 ini option ``shardext_timeout`` > 120 s. Under torchrun a rank that outlives it
 prints the collective it waits in and its stacks, and exits (see
-`physicsnemo_shardext.testing.watchdog`).
+`physicsnemo_shardext.ranks.watchdog`).
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ class MultirankController:
         ``P2POp`` built by a fixture must meet the same ``dist.isend`` in the body).
         """
         if not self._initialized:
-            from physicsnemo_shardext.distributed import initialize
-            from physicsnemo_shardext.testing.hang_report import start_tracking
+            from physicsnemo_shardext.training.distributed import initialize
+            from physicsnemo_shardext.ranks.hang_report import start_tracking
 
             initialize()
             start_tracking()
@@ -140,7 +140,7 @@ class MultirankController:
     # -- spawned workers ----------------------------------------------------------------
     def pool(self, world_size: int) -> Any:
         """The (lazily started) worker pool of ``world_size`` ranks."""
-        from physicsnemo_shardext.testing.worker_pool import WorkerPool
+        from physicsnemo_shardext.ranks.worker_pool import WorkerPool
 
         if world_size not in self.pools:
             self.pools[world_size] = WorkerPool(
@@ -156,8 +156,8 @@ class MultirankController:
             pool.close()
         self.pools.clear()
         if self._initialized:
-            from physicsnemo_shardext.distributed import shutdown
-            from physicsnemo_shardext.testing.hang_report import stop_tracking
+            from physicsnemo_shardext.training.distributed import shutdown
+            from physicsnemo_shardext.ranks.hang_report import stop_tracking
 
             stop_tracking()
             shutdown()
@@ -213,7 +213,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     controller = _controller(pyfuncitem.config)
     seed = int(marker.kwargs.get("seed", DEFAULT_SEED))
     if controller.torchrun:
-        from physicsnemo_shardext.testing.watchdog import rank_watchdog
+        from physicsnemo_shardext.ranks.watchdog import rank_watchdog
 
         rank = int(os.environ.get("RANK", "0"))
         timeout = controller.timeout_for(marker)
@@ -226,8 +226,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def _run_on_pool(item: pytest.Function, controller: MultirankController, marker: pytest.Mark, seed: int) -> None:
-    from physicsnemo_shardext.testing.worker import TestTask
-    from physicsnemo_shardext.testing.worker_pool import PoolStartupError
+    from physicsnemo_shardext.ranks.worker import RankTask
+    from physicsnemo_shardext.ranks.worker_pool import PoolStartupError
 
     kwargs = _test_kwargs(item)
     for name, value in kwargs.items():
@@ -240,7 +240,7 @@ def _run_on_pool(item: pytest.Function, controller: MultirankController, marker:
                 pytrace=False,
             )
     function = getattr(item.obj, "__func__", item.obj)
-    task = TestTask(
+    task = RankTask(
         nodeid=item.nodeid,
         module_name=item.module.__name__,
         file_path=str(item.path),
@@ -248,6 +248,7 @@ def _run_on_pool(item: pytest.Function, controller: MultirankController, marker:
         kwargs_blob=pickle.dumps(kwargs),
         sys_path=tuple(sys.path),
         seed=seed,
+        environment="physicsnemo_shardext.testing.isolation:rank_task_environment",
     )
     try:
         outcome = controller.pool(marker_world_size(marker)).run(task, controller.timeout_for(marker))

@@ -7,7 +7,7 @@ parameter gradient match the single-process run (float32, ``rtol=1e-4``,
 ``atol=1e-4``: the sharded run sums the same terms in another order, and the
 parameter gradients are sums over every voxel, so a purely relative bound would
 be too tight for near-zero entries). It then checks that the sharded forward
-all-gathers no activation (:mod:`physicsnemo_shardext.testing.activation_gathers`)
+all-gathers no activation (:mod:`physicsnemo_shardext.ranks.activation_gathers`)
 and, for models with BatchNorm, that the running statistics match too.
 
 Split sizes are chosen so that the global sizes are valid for every model's

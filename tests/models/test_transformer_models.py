@@ -322,8 +322,8 @@ def test_causal_lm_trains_like_single_process_on_a_2x2_layout(rank):
     # ddp 2 x domain 2, DDP, SGD, next-token cross-entropy: losses, every first-step gradient and
     # the final parameters against one process on the global batch. (Not Adam: the key bias has a
     # zero gradient in theory, and Adam turns its rounding noise into full-size steps on both sides.)
-    from physicsnemo_shardext.parallel import build_layout
-    from physicsnemo_shardext.verification import verify_training
+    from physicsnemo_shardext.training.parallel import build_layout
+    from physicsnemo_shardext.training.verification import verify_training
 
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 11, (2, 32), generator=g), torch.randint(0, 11, (2, 32), generator=g))

@@ -1,6 +1,6 @@
-"""Tests of patches/attention.py on gloo CPU ranks: sequence-sharded scaled-dot-product attention (ring and
-local), ``nn.MultiheadAttention`` on token- and batch-sharded inputs, the CPU fused SDPA kernel on
-batch/head shards."""
+"""Tests of patches/attention/ (its ring, sdpa and mha modules) on gloo CPU ranks: sequence-sharded
+scaled-dot-product attention (ring and local), ``nn.MultiheadAttention`` on token- and batch-sharded
+inputs, the CPU fused SDPA kernel on batch/head shards."""
 
 from __future__ import annotations
 
@@ -527,9 +527,9 @@ _FEW_ROWS = 2 * 4 * 8 * 4 * 3  # bytes: 3 K/V rows of (B=2) x (H=2) x (E + Ev = 
     "case", ["causal", "bool-mask", "additive-mask-grad", "gqa-causal", "value-width", "cross-uneven"]
 )
 def test_ring_in_small_chunks_matches_single_process(domain_mesh, monkeypatch, case):
-    from physicsnemo_shardext.patches import attention
+    from physicsnemo_shardext.patches.attention import ring
 
-    monkeypatch.setattr(attention, "_CHUNK_BYTES", _FEW_ROWS)
+    monkeypatch.setattr(ring, "_CHUNK_BYTES", _FEW_ROWS)
     lk, kv_split = (23, [0, 4, 19, 0]) if case == "cross-uneven" else (29, [5, 11, 0, 13])
     q, k, v = _qkv(29, lk, heads_kv=1 if case == "gqa-causal" else H, ev=5 if case == "value-width" else E)
     specs = _specs(domain_mesh, [8, 0, 13, 8], kv_split)
@@ -553,9 +553,9 @@ def test_ring_in_small_chunks_matches_single_process(domain_mesh, monkeypatch, c
 @pytest.mark.multirank(2)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_ring_in_small_chunks_in_other_dtypes(domain_mesh, monkeypatch, dtype):
-    from physicsnemo_shardext.patches import attention
+    from physicsnemo_shardext.patches.attention import ring
 
-    monkeypatch.setattr(attention, "_CHUNK_BYTES", _FEW_ROWS)
+    monkeypatch.setattr(ring, "_CHUNK_BYTES", _FEW_ROWS)
     tol = 1e-6 if dtype == torch.float64 else 2e-2
     check_conformance(
         lambda q, k, v: SDPA(q, k, v, is_causal=True),
@@ -568,9 +568,9 @@ def test_ring_in_small_chunks_in_other_dtypes(domain_mesh, monkeypatch, dtype):
 
 @pytest.mark.multirank(4)
 def test_ring_in_small_chunks_moves_the_analytic_minimum(domain_mesh, monkeypatch):
-    from physicsnemo_shardext.patches import attention
+    from physicsnemo_shardext.patches.attention import ring
 
-    monkeypatch.setattr(attention, "_CHUNK_BYTES", _FEW_ROWS)
+    monkeypatch.setattr(ring, "_CHUNK_BYTES", _FEW_ROWS)
     n = 4
     q, k, v = _qkv(32, 32)
     qs, ks, vs = (shard_tensor(t, domain_mesh, [Shard(2)], [8] * n, requires_grad=True) for t in (q, k, v))

@@ -21,7 +21,7 @@ from physicsnemo_shardext.patches.convolution import (
     sharded_conv,
 )
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
-from physicsnemo_shardext.testing.comm_accounting import CommCounter
+from physicsnemo_shardext.ranks.comm_accounting import CommCounter
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 

@@ -15,7 +15,7 @@ from physicsnemo_shardext.primitives import (
     plan_exchange,
 )
 from physicsnemo_shardext.testing import shard_tensor
-from physicsnemo_shardext.testing.comm_accounting import CommCounter
+from physicsnemo_shardext.ranks.comm_accounting import CommCounter
 
 
 def test_plan_keeps_own_rows_local_and_sends_only_what_others_want():

@@ -12,7 +12,14 @@ from typing import cast
 import pytest
 import torch
 
-from physicsnemo_shardext.primitives import all_reduce_sum, sum_grad_over, sum_to_replicated, summed_over
+from physicsnemo_shardext.primitives import (
+    all_reduce_sum,
+    max_over,
+    min_over,
+    sum_grad_over,
+    sum_to_replicated,
+    summed_over,
+)
 from physicsnemo_shardext.testing import CommCounter
 
 #: name -> (primitive, sums in forward, sums in backward)
@@ -144,3 +151,84 @@ def test_summed_over_a_single_rank_is_a_copy_without_communication():
     with CommCounter() as counter:
         total = summed_over(value, cast(DeviceMesh, OneRank()), [0])
     assert total is not value and torch.equal(total, value) and counter.stats.total_calls == 0
+
+
+# -- max_over / min_over: the elementwise extremum over ranks, no gradient ---------------------------------
+
+EXTREMA = {"max_over": (max_over, torch.maximum), "min_over": (min_over, torch.minimum)}
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64], ids=["float64", "int64"])
+def test_extremum_on_two_ranks(domain_mesh, rank, name, dtype):
+    primitive, pairwise = EXTREMA[name]
+    value = _value(rank).to(dtype)
+    if dtype.is_floating_point:
+        value.requires_grad_()
+    with CommCounter() as counter:
+        out = primitive(value.t(), domain_mesh, [0])
+    expected = pairwise(_value(0), _value(1)).to(dtype).t()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"{name} on rank {rank}")
+    assert out.dtype == dtype and out.is_contiguous() and not out.requires_grad
+    torch.testing.assert_close(value.detach(), _value(rank).to(dtype), rtol=0, atol=0, msg="the input was written in place")
+    assert counter.stats.counts == {"c10d.allreduce_": 1}
+
+
+@pytest.mark.multirank(4)
+@pytest.mark.parametrize("mesh_dims", [[0, 1], [0], [1]], ids=["both", "dim0", "dim1"])
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+def test_extremum_on_a_2x2_mesh(spatial_mesh, rank, name, mesh_dims):
+    primitive, pairwise = EXTREMA[name]
+    with CommCounter() as counter:
+        out = primitive(_value(rank), spatial_mesh, mesh_dims)
+    group = _group(spatial_mesh, mesh_dims, rank)
+    expected = _value(group[0])
+    for other in group[1:]:
+        expected = pairwise(expected, _value(other))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"{name} over {mesh_dims} on rank {rank}")
+    assert counter.stats.counts == {"c10d.allreduce_": len(mesh_dims)}
+
+
+@pytest.mark.multirank(2)
+def test_a_rank_without_rows_passes_the_identity(domain_mesh, rank):
+    # A softmax row max over a dim split 3 + 0: the empty shard contributes -inf (max) or +inf (min).
+    rows = [torch.tensor([[1.0, -2.0, 7.0], [-1.0, -5.0, 0.5]]), torch.empty(2, 0)][rank]
+    row_max = rows.amax(1, keepdim=True) if rows.shape[1] else torch.full((2, 1), float("-inf"))
+    row_min = rows.amin(1, keepdim=True) if rows.shape[1] else torch.full((2, 1), float("inf"))
+    assert max_over(row_max, domain_mesh, [0]).flatten().tolist() == [7.0, 0.5]
+    assert min_over(row_min, domain_mesh, [0]).flatten().tolist() == [-2.0, -5.0]
+    # A row masked everywhere stays -inf, as in torch.
+    assert max_over(torch.full((1,), float("-inf")), domain_mesh, [0]).item() == float("-inf")
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+def test_extremum_of_empty_tensors(domain_mesh, name):
+    # Every rank's share is empty (a pooled output with no rows here): nothing to reduce, no error.
+    out = EXTREMA[name][0](torch.empty(0, 3), domain_mesh, [0])
+    assert out.shape == (0, 3)
+
+
+@pytest.mark.multirank(2)
+def test_extrema_open_their_profiler_ranges(domain_mesh):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for primitive, _ in EXTREMA.values():
+            primitive(torch.ones(2), domain_mesh, [0])
+    names = {event.name for event in profile.events()}
+    assert {f"shardext.{name}" for name in EXTREMA} <= names, sorted(n for n in names if "shardext" in n)
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+def test_extremum_over_a_single_rank_is_a_copy_without_communication(name):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class OneRank:  # only mesh.size() is read when nothing spans more than one rank
+        def size(self, mesh_dim: int) -> int:
+            return 1
+
+    value = torch.arange(4.0)
+    with CommCounter() as counter:
+        out = EXTREMA[name][0](value, cast(DeviceMesh, OneRank()), [0])
+    assert out is not value and torch.equal(out, value) and counter.stats.total_calls == 0
+    assert EXTREMA[name][0](value, None, []) is not value
