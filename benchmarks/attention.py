@@ -65,10 +65,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    all_ranks_agree,
+    counted_pass,
     first_line,
     fmt_bytes,
     heap_allocations,
+    initialize,
     launch,
     median_ms,
     peak_memory,
@@ -170,7 +171,7 @@ def measure_variant(
     import physicsnemo_shardext
     from torch.distributed.tensor import Replicate, Shard
 
-    from physicsnemo_shardext.testing import CommCounter, shard_tensor
+    from physicsnemo_shardext.testing import shard_tensor
 
     full_q, full_k, full_v, full_cotangent = _full_inputs(args, device)
     q, k, v = (shard_tensor(t, mesh, [Shard(2)], requires_grad=True) for t in (full_q, full_k, full_v))
@@ -202,28 +203,17 @@ def measure_variant(
         else contextlib.nullcontext
     )
     with context():
-        out = None
-        try:  # counted pass (also the warm-up)
-            with CommCounter() as forward:
-                out = call()
-            result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
-        except Exception as error:
-            result.status = f"crashes ({type(error).__name__}: {first_line(error)})"
-        if not all_ranks_agree(result.status == "ok"):
-            result.status = result.status if result.status != "ok" else "crashes on another rank"
-            result.forward_calls = result.forward_bytes = None
+        out, forward = counted_pass(call)  # the counted pass is also the warm-up
+        if not forward.ok:
+            result.status = _crash("", forward.error)
             return result, None
-        backward_works = True
-        try:
-            with CommCounter() as backward:
-                out.backward(cotangent)
+        result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
+        _, backward = counted_pass(out.backward, cotangent)
+        backward_works = backward.ok  # every rank agrees: a rank-local crash would desynchronize the timing
+        if backward.stats is not None:  # this rank's backward ran (another rank's may not have)
             result.backward_calls, result.backward_bytes = backward.stats.total_calls, backward.stats.total_bytes
-        except Exception as error:
-            backward_works = False
-            result.status = f"backward crashes ({type(error).__name__}: {first_line(error)})"
-        backward_works = all_ranks_agree(backward_works)  # a rank-local crash would desynchronize the timing
-        if not backward_works and result.status == "ok":
-            result.status = "backward crashes on another rank"
+        if not backward_works:
+            result.status = _crash("backward ", backward.error)
         errors = [(out.full_tensor() - reference[0]).abs().max().item()]
         if backward_works:
             errors += [(t.grad.full_tensor() - ref).abs().max().item() for t, ref in zip((q, k, v), reference[1:])]
@@ -242,6 +232,13 @@ def measure_variant(
             step(backward_works)
 
     return result, timed_step
+
+
+def _crash(stage: str, error: Exception | None) -> str:
+    """``crashes (TypeError: ...)``, ``backward crashes (...)``, or ``... crashes on another rank``."""
+    if error is None:
+        return f"{stage}crashes on another rank"
+    return f"{stage}crashes ({type(error).__name__}: {first_line(error)})"
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -277,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # PhysicsNeMo's redistribute uses deprecated funcol
     import physicsnemo_shardext
 
-    manager = physicsnemo_shardext.initialize()  # gloo on CPU, NCCL on GPU
+    manager = initialize()  # the pool's or torchrun's process group: gloo on CPU, NCCL on GPU
     try:
         mesh = manager.initialize_mesh((-1,), ("domain",))
         single, reference, single_step = measure_single(args, manager.device)
@@ -335,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    launch(run, args, args.nproc)  # inline under torchrun, else spawns --nproc gloo CPU ranks
+    launch(run, args, args.nproc)  # inline under torchrun, else on --nproc ranks of a worker pool (gloo on CPU)
     return 0
 
 

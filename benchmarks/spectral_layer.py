@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +47,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import all_ranks_agree, fmt_bytes, launch, peak_memory, pin_mmap_threshold, sync  # noqa: E402
+from _common import (  # noqa: E402
+    counted_pass,
+    fmt_bytes,
+    initialize,
+    launch,
+    median_ms,
+    peak_memory,
+    pin_mmap_threshold,
+    sync,
+)
 
 VARIANTS = ("patched", "fallback")
 DEFAULT_FALLBACK_PLUGINS = "fft,spectral"
@@ -87,7 +94,7 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
     from physicsnemo.nn.module.spectral_layers import SpectralConv2d
     from torch.distributed.tensor import Shard, distribute_module
 
-    from physicsnemo_shardext.testing import CommCounter, shard_tensor
+    from physicsnemo_shardext.testing import shard_tensor
 
     torch.manual_seed(0)  # the same layer and field on every rank (the reference is computed locally)
     layer = SpectralConv2d(args.channels, args.channels, args.modes, args.modes).to(device)
@@ -104,44 +111,33 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
         else contextlib.nullcontext
     )
     with context():
-        # Counted pass (also the warm-up).
-        try:
-            with CommCounter() as forward:
-                out = sharded_layer(x)
-            result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
-            result.max_error = (out.full_tensor() - reference).abs().max().item()
-        except Exception as error:
-            result.status = f"forward crashes ({type(error).__name__}: {str(error)[:80]})"
-        if not all_ranks_agree(result.status == "ok"):
-            result.status = result.status if result.status != "ok" else "forward crashes on another rank"
+        out, forward = counted_pass(sharded_layer, x)  # the counted pass is also the warm-up
+        if not forward.ok:
+            result.status = _crash("forward", forward.error)
             return result
-        backward_works = True
-        try:
-            with CommCounter() as backward:
-                out.backward(cotangent)
+        result.forward_calls, result.forward_bytes = forward.stats.total_calls, forward.stats.total_bytes
+        result.max_error = (out.full_tensor() - reference).abs().max().item()
+        # The fallback backward of PhysicsNeMo 2.2.2 may raise; every rank must agree before timing collectives.
+        _, backward = counted_pass(out.backward, cotangent)
+        backward_works = backward.ok
+        if backward.stats is not None:  # this rank's backward ran (another rank's may not have)
             result.backward_calls, result.backward_bytes = backward.stats.total_calls, backward.stats.total_bytes
-        except Exception as error:  # the fallback backward of PhysicsNeMo 2.2.2 may raise
-            backward_works = False
-            result.status = f"backward crashes ({type(error).__name__}: {str(error)[:80]})"
-        # Every rank must agree before timing collectives: a rank-local crash would desynchronize.
-        backward_works = all_ranks_agree(backward_works)
-        if not backward_works and result.status == "ok":
-            result.status = "backward crashes on another rank"
+        if not backward_works:
+            result.status = _crash("backward", backward.error)
 
         sync(device)
         with peak_memory(device) as peak:
             _step(sharded_layer, x, cotangent, backward_works)
         result.peak_mib = peak[0]
-
-        times = []
-        for _ in range(args.repeats):
-            sync(device)
-            start = time.perf_counter()
-            _step(sharded_layer, x, cotangent, backward_works)
-            sync(device)
-            times.append(time.perf_counter() - start)
-        result.median_ms = statistics.median(times) * 1e3
+        result.median_ms = median_ms(lambda: _step(sharded_layer, x, cotangent, backward_works), args.repeats, device)
     return result
+
+
+def _crash(stage: str, error: Exception | None) -> str:
+    """``forward crashes (TypeError: ...)``, or ``... crashes on another rank``."""
+    if error is None:
+        return f"{stage} crashes on another rank"
+    return f"{stage} crashes ({type(error).__name__}: {str(error)[:80]})"
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -168,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
     pin_mmap_threshold()
     import physicsnemo_shardext
 
-    manager = physicsnemo_shardext.initialize()  # gloo on CPU, NCCL on GPU
+    manager = initialize()  # the pool's or torchrun's process group: gloo on CPU, NCCL on GPU
     try:
         mesh = manager.initialize_mesh((-1,), ("domain",))
         results = [measure_variant(v, args, mesh, manager.device) for v in VARIANTS]
@@ -203,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    launch(run, args, args.nproc)  # inline under torchrun, else spawns --nproc gloo CPU ranks
+    launch(run, args, args.nproc)  # inline under torchrun, else on --nproc ranks of a worker pool (gloo on CPU)
     return 0
 
 

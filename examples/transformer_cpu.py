@@ -40,16 +40,18 @@ from physicsnemo_shardext.training.verification import verify_training
 class CausalLM(torch.nn.Module):
     """A one-block decoder: token and learned position embeddings, causal self-attention, MLP, LM head."""
 
-    def __init__(self, vocab: int, width: int = 32, heads: int = 4, length: int = 256) -> None:
+    def __init__(self, vocab: int, width: int = 32, heads: int = 4, length: int = 256, mlp_ratio: int = 4,
+                 position_scale: float = 0.02) -> None:
         super().__init__()
         self.heads = heads
         self.tokens = torch.nn.Embedding(vocab, width)
-        self.position = torch.nn.Parameter(0.02 * torch.randn(1, length, width))
+        self.position = torch.nn.Parameter(position_scale * torch.randn(1, length, width))
         self.norm = torch.nn.LayerNorm(width)
         self.qkv = torch.nn.Linear(width, 3 * width)
         self.proj = torch.nn.Linear(width, width)
-        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
-                                       torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+        hidden = mlp_ratio * width
+        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden),
+                                       torch.nn.GELU(), torch.nn.Linear(hidden, width))
         self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

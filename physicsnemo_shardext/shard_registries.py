@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from physicsnemo.domain_parallel import ShardTensor
 
@@ -64,7 +64,7 @@ REGISTRY_ATTRIBUTES: tuple[str, ...] = (
 
 # The dict objects ShardTensor held when this module was imported: PhysicsNeMo reads the
 # registries through the class, so a rebound attribute is put back to its original dict.
-_ORIGINAL_TABLES: dict[str, dict[Any, Callable]] = {name: getattr(ShardTensor, name) for name in REGISTRY_ATTRIBUTES}
+_ORIGINAL_TABLES: dict[str, dict[Any, Callable[..., Any]]] = {name: getattr(ShardTensor, name) for name in REGISTRY_ATTRIBUTES}
 
 
 class PatchLevel(str, Enum):
@@ -171,8 +171,8 @@ def table_name(level: PatchLevel | str) -> str:
     return _TABLE_NAMES[level]
 
 
-def _table(level: PatchLevel | str) -> dict[Any, Callable]:
-    table: dict[Any, Callable] = getattr(ShardTensor, table_name(level))
+def _table(level: PatchLevel | str) -> dict[Any, Callable[..., Any]]:
+    table: dict[Any, Callable[..., Any]] = getattr(ShardTensor, table_name(level))
     return table
 
 
@@ -201,10 +201,10 @@ class RegistrySnapshot:
     ``rebound`` names the registry attributes that no longer hold ShardTensor's original dict.
     """
 
-    tables: tuple[tuple[str, tuple[tuple[Any, Callable], ...]], ...]
+    tables: tuple[tuple[str, tuple[tuple[Any, Callable[..., Any]], ...]], ...]
     rebound: tuple[str, ...] = ()
 
-    def as_dicts(self) -> dict[str, dict[Any, Callable]]:
+    def as_dicts(self) -> dict[str, dict[Any, Callable[..., Any]]]:
         """Return the snapshot as ``{attribute: {key: handler}}``."""
         return {name: dict(items) for name, items in self.tables}
 
@@ -252,7 +252,7 @@ def _rebound_tables() -> tuple[str, ...]:
     return tuple(name for name in REGISTRY_ATTRIBUTES if getattr(ShardTensor, name, None) is not _ORIGINAL_TABLES[name])
 
 
-def _items(name: str) -> tuple[tuple[Any, Callable], ...]:
+def _items(name: str) -> tuple[tuple[Any, Callable[..., Any]], ...]:
     """The entries of one registry; a deleted or non-dict attribute reads as empty (and as rebound)."""
     table = getattr(ShardTensor, name, None)
     return tuple(table.items()) if isinstance(table, dict) else ()
@@ -301,14 +301,14 @@ def restore(snap: RegistrySnapshot) -> None:
         hook(snap)
 
 
-def current_handler(level: PatchLevel, target: Any) -> Callable | None:
+def current_handler(level: PatchLevel, target: Any) -> Callable[..., Any] | None:
     """Return the handler ShardTensor would call for ``target`` at ``level``, or ``None``."""
     if PatchLevel(level) is PatchLevel.ATTRIBUTE:
-        return target.own_value()
+        return cast("Callable[..., Any] | None", target.own_value())
     return _table(level).get(target)
 
 
-def set_handler(level: PatchLevel, target: Any, handler: Callable) -> None:
+def set_handler(level: PatchLevel, target: Any, handler: Callable[..., Any]) -> None:
     """Install ``handler`` for ``target``; dispatch handlers are also indexed by name."""
     if PatchLevel(level) is PatchLevel.ATTRIBUTE:
         _write_attribute(target, handler)
@@ -331,7 +331,7 @@ def remove_handler(level: PatchLevel, target: Any) -> None:
         ShardTensor._dispatch_registry_by_name.pop(str(target), None)
 
 
-SlotState = tuple[Callable | None, Callable | None]
+SlotState = tuple[Callable[..., Any] | None, Callable[..., Any] | None]
 """What a registry slot holds: (main-table handler, by-name handler for dispatch, else None)."""
 
 
@@ -361,7 +361,7 @@ def restore_slot(level: PatchLevel, target: Any, state: SlotState) -> None:
             ShardTensor._dispatch_registry_by_name[str(target)] = by_name
 
 
-def iter_handlers() -> Iterator[tuple[PatchLevel, Any, Callable]]:
+def iter_handlers() -> Iterator[tuple[PatchLevel, Any, Callable[..., Any]]]:
     """Yield ``(level, target, handler)`` for every handler ShardTensor would consult.
 
     Attribute slots are yielded while they hold a replacement.

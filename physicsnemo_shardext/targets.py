@@ -120,7 +120,7 @@ def describe_target(target: Any) -> str:
     return f"{module}.{qualname}" if module else qualname
 
 
-def describe_handler(handler: Callable) -> str:
+def describe_handler(handler: Callable[..., Any]) -> str:
     """Return ``module.qualname`` of a handler.
 
     Examples:

@@ -1,5 +1,14 @@
-"""The torchrun example scripts run on CPU ranks and report a match with the single-process run."""
+"""The example scripts run on CPU ranks and report a match with the single-process run.
 
+The torchrun scripts run as their docstrings say; ``examples/verify_models.py`` runs
+through ``shardext verify`` with the very commands of its docstring (README.md, the
+getting-started page and the CLI reference cite them).
+"""
+
+import ast
+import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
@@ -7,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+VERIFY_MODELS = EXAMPLES / "verify_models.py"
 
 
 @pytest.mark.parametrize(("ranks", "height", "expected_heights"), [(2, 33, "[17, 16]"), (3, 37, "[13, 13, 11]")])
@@ -75,3 +86,60 @@ def test_transformer_example_verifies_and_trains(ranks, options, header):
     assert header in result.stdout
     assert "training check ok" in result.stdout
     assert re.search(r"step 1: loss \d", result.stdout)
+
+
+def _verify_commands() -> dict[str, list[str]]:
+    """The ``shardext verify`` lines of examples/verify_models.py's docstring: flags by factory."""
+    docstring = ast.get_docstring(ast.parse(VERIFY_MODELS.read_text(encoding="utf-8"))) or ""
+    commands = {}
+    for line in docstring.splitlines():
+        words = line.split()
+        if words[:2] == ["shardext", "verify"]:
+            commands[words[2].partition(":")[2]] = words[3:]
+    return commands
+
+
+def _factories() -> set[str]:
+    spec = importlib.util.spec_from_file_location("verify_models_example", VERIFY_MODELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name for name, value in vars(module).items()
+            if callable(value) and not name.startswith("_") and getattr(value, "__module__", "") == module.__name__}
+
+
+VERIFY_COMMANDS = _verify_commands()
+#: Factories whose run CI leaves out (``--run-slow`` runs them): each run costs 15-25 s, mostly starting ranks.
+SLOW_VERIFY = {"transolver"}
+#: The launcher's and the suite's variables, which a user's shell does not have.
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_verify_models_docstring_has_a_command_for_every_factory_and_the_docs_cite_only_those():
+    assert set(VERIFY_COMMANDS) == _factories()
+    cited = set()
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        cited |= set(re.findall(r"examples/verify_models\.py:(\w+)", page.read_text(encoding="utf-8")))
+    assert cited and cited <= set(VERIFY_COMMANDS), sorted(cited - set(VERIFY_COMMANDS))
+
+
+@pytest.mark.parametrize(
+    "factory", [pytest.param(f, marks=(pytest.mark.slow,) if f in SLOW_VERIFY else ()) for f in VERIFY_COMMANDS]
+)
+def test_verify_models_example_matches(factory, tmp_path):
+    """``shardext verify examples/verify_models.py:<factory> ...`` as documented: exit 0, MATCH, no gather."""
+    flags = VERIFY_COMMANDS[factory]
+    # An --html page lands in tmp_path, not in the checkout.
+    flags = [str(tmp_path / flag) if before == "--html" else flag for before, flag in zip(["", *flags], flags)]
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "physicsnemo_shardext", "verify", f"{VERIFY_MODELS}:{factory}", *flags,
+               "--json", str(report), "--no-progress"]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SHARDEXT_", "TORCHELASTIC_", "PYTEST_")) and k not in LAUNCHER}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "MATCH:" in result.stdout
+    data = json.loads(report.read_text())
+    assert data["status"] == "match" and data["totals"]["activation_gathers"] == 0
+    assert data["comparison"] and all(row["ok"] for row in data["comparison"])
+    if "--html" in flags:
+        assert (tmp_path / flags[flags.index("--html") + 1]).read_text().startswith("<!DOCTYPE html>")

@@ -33,7 +33,7 @@ def test_all_variables_parse():
 
 def test_every_variable_the_package_reads_has_a_help_string():
     package = Path(__file__).resolve().parents[1]
-    sources = [*(package / "physicsnemo_shardext").rglob("*.py"), *(package / "patches").glob("*.py")]
+    sources = [*(package / "physicsnemo_shardext").rglob("*.py"), *(package / "patches").rglob("*.py")]
     named = {name for path in sources for name in re.findall(r"\bSHARDEXT_[A-Z][A-Z_]*\b", path.read_text())}
     assert named, "the scan found the variables"
     assert named <= set(ENVIRONMENT_VARIABLES), f"read but without a help string: {sorted(named - set(ENVIRONMENT_VARIABLES))}"

@@ -33,7 +33,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,7 @@ def resplit_rows(local: torch.Tensor, layout: DimLayout, sizes: Sequence[int]) -
     if sizes == tuple(layout.sizes):
         return local
     with profiled_range("shardext.resplit_rows"):
-        out: torch.Tensor = _Resplit.apply(local, layout, dim, tuple(layout.sizes), sizes)
+        out: torch.Tensor = cast(Any, _Resplit).apply(local, layout, dim, tuple(layout.sizes), sizes)  # Function.apply: untyped before torch 2.14
         return out
 
 

@@ -47,10 +47,10 @@ from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["sharded_allocations"]
 
-_FACTORIES: dict[Callable, int] = {torch.zeros: 0, torch.ones: 0, torch.empty: 0, torch.full: 1}
+_FACTORIES: dict[Callable[..., Any], int] = {torch.zeros: 0, torch.ones: 0, torch.empty: 0, torch.full: 1}
 
 
-def _shape_of(func: Callable, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+def _shape_of(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
     """The requested shape of a factory call, or None when it is not given as one sequence or ints."""
     if "size" in kwargs:
         shape = kwargs["size"]
@@ -91,7 +91,9 @@ class sharded_allocations(TorchFunctionMode):  # noqa: N801 - used like a functi
                 self._seen.insert(0, leaf)
         del self._seen[8:]  # a handful of recent tensors is all a layer's buffers refer to
 
-    def _sharded_buffer(self, func: Callable, args: tuple, kwargs: dict) -> ShardTensor | None:
+    def _sharded_buffer(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ShardTensor | None:
         if kwargs.get("requires_grad") or kwargs.get("out") is not None:
             return None
         shape = _shape_of(func, args, kwargs)
@@ -112,7 +114,13 @@ class sharded_allocations(TorchFunctionMode):  # noqa: N801 - used like a functi
                                           {d: layout.sizes for d, layout in layouts.items()})
         return None
 
-    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _FACTORIES and self._seen:
             buffer = self._sharded_buffer(func, args, kwargs)

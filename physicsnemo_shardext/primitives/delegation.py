@@ -45,7 +45,7 @@ from physicsnemo_shardext.engine.baseline import builtin_handler
 __all__ = ["delegate", "fallback"]
 
 
-def fallback(func: Callable, args: tuple, kwargs: dict | None = None) -> Any:
+def fallback(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
     """Run ``func`` through PhysicsNeMo's DTensor fallback (as ShardTensor does for an unpatched op).
 
     Examples:
@@ -61,7 +61,9 @@ def fallback(func: Callable, args: tuple, kwargs: dict | None = None) -> Any:
     return _shard_tensor_module._torch_function_fallback_via_dtensor(func, args, kwargs or {})
 
 
-def delegate(func: Callable, types: tuple, args: tuple, kwargs: dict | None) -> Any:
+def delegate(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> Any:
     """Run the handler ``func`` had before any plugin (PhysicsNeMo's built-in), else the DTensor fallback.
 
     Examples:

@@ -34,7 +34,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -61,12 +61,12 @@ class _LinearMap(torch.autograd.Function):
     """``apply(x)``; backward ``adjoint(g)``, itself through this Function (so every order is exact)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, apply: LinearMap, adjoint: LinearMap) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, apply: LinearMap, adjoint: LinearMap) -> torch.Tensor:
         ctx.maps = (apply, adjoint)
         return apply(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         apply, adjoint = ctx.maps
         return linear_backward(grad, adjoint, apply), None, None
 
@@ -89,7 +89,7 @@ def linear_backward(grad: torch.Tensor, backward_map: LinearMap, forward_map: Li
         tensor([1., 0., 4.])
     """
     if builds_graph(grad):
-        return _LinearMap.apply(grad, backward_map, forward_map)
+        return cast(torch.Tensor, cast(Any, _LinearMap).apply(grad, backward_map, forward_map))  # Function.apply: untyped before torch 2.14
     return backward_map(grad)
 
 

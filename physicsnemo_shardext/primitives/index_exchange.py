@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -165,7 +166,7 @@ def _all_to_all_rows(
         input_split_sizes=[int(pieces[c].shape[0]) for c in order],
         group=layout.group,
     )
-    received = dict(zip(order, recv.split([int(recv_counts[c]) for c in order])))
+    received = dict(zip(order, recv.split([int(recv_counts[c]) for c in order])))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
     return [received[c] for c in range(layout.parts)]
 
 
@@ -242,12 +243,12 @@ class _GatherGlobalIndices(torch.autograd.Function):
     """Autograd wrapper; works on the sharded dim moved to the front. Differentiable at every order."""
 
     @staticmethod
-    def forward(ctx, rows_first: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> torch.Tensor:
+    def forward(ctx: Any, rows_first: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> torch.Tensor:
         ctx.layout, ctx.plan, ctx.local_rows = layout, plan, rows_first.shape[0]
         return _gather_rows_by_plan(rows_first, layout, plan)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         layout, plan, local_rows = ctx.layout, ctx.plan, ctx.local_rows
         # Linear in grad_out: under create_graph=True its own backward is the forward exchange.
         grad = linear_backward(
@@ -287,7 +288,7 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
     with profiled_range("shardext.gather_global_indices"):
         plan = plan_exchange(layout, wanted_by)
         rows_first = local.movedim(layout.tensor_dim, 0)
-        out = _GatherGlobalIndices.apply(rows_first, layout, plan)
+        out: torch.Tensor = cast(Any, _GatherGlobalIndices).apply(rows_first, layout, plan)  # Function.apply: untyped before torch 2.14
         return out.movedim(0, layout.tensor_dim)
 
 

@@ -47,7 +47,7 @@ def autocast_float32(op_name: str, local: torch.Tensor) -> bool:
     where the op has an autocast rule for that device type.
     """
     device_type = local.device.type
-    if local.dtype not in _REDUCED_PRECISION or not torch.amp.is_autocast_available(device_type):
+    if local.dtype not in _REDUCED_PRECISION or not torch.amp.autocast_mode.is_autocast_available(device_type):
         return False
     return torch.is_autocast_enabled(device_type) and _has_autocast_rule(op_name, device_type)
 

@@ -19,7 +19,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -28,8 +28,8 @@ __all__ = ["profiled_range"]
 _NO_RANGE = contextlib.nullcontext()
 
 
-def profiled_range(name: str) -> ContextManager[object]:
+def profiled_range(name: str) -> AbstractContextManager[object]:
     """A ``record_function(name)`` range while a profiler is recording, else a shared no-op context."""
-    if torch.autograd._profiler_enabled():
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]  # private, not re-exported
         return torch.profiler.record_function(name)
     return _NO_RANGE

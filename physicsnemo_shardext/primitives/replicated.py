@@ -36,7 +36,7 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from physicsnemo.domain_parallel import ShardTensor
@@ -179,7 +179,7 @@ def elementwise_with_replicated(func: Any, args: tuple[Any, ...], kwargs: dict[s
             return None
         local_args[i] = other
     try:
-        out_shape = tuple(torch.broadcast_shapes(*(args[i].shape for i in positions)))
+        out_shape = tuple(torch.broadcast_shapes(*(args[i].shape for i in positions)))  # type: ignore[no-untyped-call]  # torch.broadcast_shapes is unannotated
     except RuntimeError:
         return None
     # Broadcasting may enlarge the sharded operands along their other dims (``x.unsqueeze(-1) *
@@ -236,4 +236,4 @@ def gather_full(x: ShardTensor) -> torch.Tensor:
     """
     if any(p.is_partial() for p in x._spec.placements):
         raise MissingShardPatch(f"gather_full: input has a Partial placement {tuple(x._spec.placements)}")
-    return x.full_tensor()
+    return cast(torch.Tensor, x.full_tensor())

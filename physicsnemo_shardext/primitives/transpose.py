@@ -38,6 +38,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def _exchange(
     if crosses:
         dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
                                group=layout.group)
-    chunks = dict(zip(order, recv.split(recv_counts)))
+    chunks = dict(zip(order, recv.split(recv_counts)))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
     received = []
     for c in range(parts):
         if c == me:
@@ -139,12 +140,15 @@ class _MoveShard(torch.autograd.Function):
     """Forward: source -> destination; backward: destination -> source."""
 
     @staticmethod
-    def forward(ctx, local, layout, src_dim, dst_dim, src_sizes, dst_sizes):  # type: ignore[override]
+    def forward(
+        ctx: Any, local: torch.Tensor, layout: DimLayout, src_dim: int, dst_dim: int, src_sizes: Sequence[int],
+        dst_sizes: Sequence[int],
+    ) -> torch.Tensor:
         ctx.args = (layout, src_dim, dst_dim, src_sizes, dst_sizes)
         return _exchange(local, layout, dst_dim, dst_sizes, src_dim, src_sizes)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         layout, src_dim, dst_dim, src_sizes, dst_sizes = ctx.args
         # The reverse exchange; under create_graph=True its own backward is the forward one.
         back = linear_backward(
@@ -193,7 +197,7 @@ def move_shard(
         raise ValueError(f"move_shard: local block has {local.shape[src_dim]} rows on dim {src_dim}, "
                          f"layout says {layout.local_size}")
     with profiled_range("shardext.move_shard"):
-        return _MoveShard.apply(local, layout, src_dim, dst_dim, layout.sizes, sizes)
+        return cast(torch.Tensor, cast(Any, _MoveShard).apply(local, layout, src_dim, dst_dim, layout.sizes, sizes))  # Function.apply: untyped before torch 2.14
 
 
 def transpose_shard(

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from physicsnemo.domain_parallel import ShardTensor
@@ -67,14 +67,14 @@ class _LocalView(torch.autograd.Function):
     """``x.to_local()`` without ``setup_context`` (so torch does not re-bind the arguments)."""
 
     @staticmethod
-    def forward(ctx: Any, x: ShardTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: ShardTensor) -> torch.Tensor:
         ctx.shard_tensor_spec = x._spec
         ctx.grad_placements = None
-        local = x._local_tensor
+        local: torch.Tensor = x._local_tensor
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         spec = ctx.shard_tensor_spec
         if spec._sharding_shapes is None:  # PhysicsNeMo infers the shapes (a collective): its backward's spec
             grad_spec = _TO_LOCAL_BACKWARD(ctx, grad.detach())[0]._spec
@@ -89,13 +89,13 @@ class _Wrap(torch.autograd.Function):
     """``ShardTensor.from_local(local, mesh, placements, sharding_shapes=...)`` with a cached spec."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: Any) -> ShardTensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, spec: Any) -> ShardTensor:
         ctx.previous_placement = spec.placements
         ctx.previous_mesh = spec.mesh
         return ShardTensor(local, spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         if type(grad) is ShardTensor and builds_graph(grad):
             # PhysicsNeMo's backward, with the unwrap through `_LocalView` so a graph is kept.
             target = tuple(Replicate() if p.is_partial() else p for p in ctx.previous_placement)
@@ -123,7 +123,7 @@ def wrap_gradient(local: torch.Tensor, spec: Any) -> ShardTensor:
         (2, 1)
     """
     if builds_graph(local):
-        return _Wrap.apply(local, spec)
+        return cast(ShardTensor, cast(Any, _Wrap).apply(local, spec))  # Function.apply: untyped before torch 2.14
     return ShardTensor(materialized(local), spec, requires_grad=local.requires_grad)
 
 
@@ -139,10 +139,10 @@ def local_of(x: Any) -> torch.Tensor:
         True
     """
     if type(x) is not ShardTensor:
-        return x.to_local()
+        return cast(torch.Tensor, x.to_local())
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return x._local_tensor
-    return _LocalView.apply(x)
+        return cast(torch.Tensor, x._local_tensor)
+    return cast(torch.Tensor, cast(Any, _LocalView).apply(x))  # Function.apply: untyped before torch 2.14
 
 
 def _frozen(sharding_shapes: Mapping[int, Sequence[Sequence[int]]]) -> tuple[Any, ...]:
@@ -168,7 +168,8 @@ def wrap_local(
         >>> tuple(y.shape), y._spec.sharding_shapes()[0]
         ((17, 3), ((10, 3), (7, 3)))
     """
-    return _Wrap.apply(local, _spec_for(local, mesh, tuple(placements), sharding_shapes))
+    spec = _spec_for(local, mesh, tuple(placements), sharding_shapes)
+    return cast(ShardTensor, cast(Any, _Wrap).apply(local, spec))  # Function.apply: untyped before torch 2.14
 
 
 def _spec_for(

@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     # conformance
     "ShardSpec": "conformance",
     "check_conformance": "conformance",
-    "measure_comms": "conformance",
+    "measure_comms": "comm_measurement",
     "ConformanceError": "conformance",
     "check_delegation": "delegation",
     "partial_terms": "delegation",
@@ -99,8 +99,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         Mismatch,
         ShardSpec,
         check_conformance,
-        measure_comms,
     )
+    from physicsnemo_shardext.testing.comm_measurement import measure_comms
     from physicsnemo_shardext.testing.delegation import check_delegation, partial_terms
     from physicsnemo_shardext.testing.isolation import (
         DEFAULT_SEED,

@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -214,7 +214,7 @@ def check_conformance(
     if sharded.gathered:
         _backward(check, reference, sharded)
     if isinstance(check.fn, torch.nn.Module) and sharded.ran:
-        _compare_buffers(sharded.module, reference.module, check.rtol, check.atol, check.mismatches,
+        _compare_buffers(cast(torch.nn.Module, sharded.module), cast(torch.nn.Module, reference.module), check.rtol, check.atol, check.mismatches,
                          check.report.max_abs_errors, check.tolerance, check.report.comparisons)
     if check.backend is not None and not check.mismatches:
         # Only a conformant eager run is worth comparing the compiled one with.
@@ -349,7 +349,8 @@ def _compare_outputs(check: _Check, reference: _Reference, sharded: _Sharded, ex
     who = sharded.who
     for i, (sh_out, ref_out) in enumerate(zip(sharded.outputs, reference.outputs) if sharded.gathered else ()):
         what = f"output[{i}]"
-        guard = _Guard(what, "gathering it", check.mismatches, lambda e, t=sh_out: who.blame("forward", [t]))
+        # The guard is entered below, in this iteration: its blame may read the loop variable.
+        guard = _Guard(what, "gathering it", check.mismatches, lambda e: who.blame("forward", [sh_out]))
         with guard:
             full, placements = _gathered(sh_out)
         if guard.failed:
@@ -372,7 +373,7 @@ def _backward(check: _Check, reference: _Reference, sharded: _Sharded) -> None:
     _compare_gradients(check.specs, check.inputs, sharded.inputs, reference.inputs, check.compare, check.grad_rtol,
                        check.grad_atol, check.mismatches, sharded.who)
     if isinstance(check.fn, torch.nn.Module):
-        _compare_param_grads(sharded.module, reference.module, check.params, check.compare,
+        _compare_param_grads(cast(torch.nn.Module, sharded.module), cast(torch.nn.Module, reference.module), check.params, check.compare,
                              check.grad_rtol, check.grad_atol, check.mismatches, sharded.who)
 
 
@@ -400,7 +401,7 @@ def _run_backward(
     cotangents = []
     for j, i in enumerate(indices):
         guard = _Guard(f"output[{i}]", "building its cotangent", mismatches,
-                       lambda e, t=sh_outputs[i]: who.blame("forward", [t]))
+                       lambda e: who.blame("forward", [sh_outputs[i]]))  # entered below, in this iteration
         with guard:
             cotangents.append(_cotangent_for(sh_outputs[i], ref_outputs[i].shape, seed + j))
         if guard.failed:

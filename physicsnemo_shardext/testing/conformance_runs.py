@@ -28,7 +28,7 @@ import copy
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -138,14 +138,13 @@ def _cotangent_for(output: torch.Tensor, full_shape: torch.Size, seed: int) -> t
         return full
     # Partial outputs take Replicate gradients.
     placements = [Replicate() if isinstance(p, Partial) else p for p in output.placements]
-    spec = output._spec
     sizes: dict[int, list[int]] = {}
     if isinstance(output, ShardTensor):
-        shapes = spec.sharding_shapes()
+        shapes = output._spec.sharding_shapes()
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard):
                 sizes[mesh_dim] = [s[p.dim % len(full_shape)] for s in shapes[mesh_dim]]
-        return shard_tensor(full, output.device_mesh, placements, sizes or None)
+        return cast(torch.Tensor, shard_tensor(full, output.device_mesh, placements, sizes or None))
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, output.device_mesh, placements)

@@ -98,5 +98,5 @@ def check_delegation(
     assert ours == theirs, f"placements {ours} differ from the delegate's {theirs}"
     if placements is not None:
         assert ours == tuple(placements), f"placements {ours} != expected {tuple(placements)}"
-    tolerance = {"rtol": 0, "atol": 0} if exact else {}
+    tolerance: dict[str, Any] = {"rtol": 0, "atol": 0} if exact else {}
     torch.testing.assert_close((our_local, our_grad), (their_local, their_grad), **tolerance)

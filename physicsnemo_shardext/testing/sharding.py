@@ -20,7 +20,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor.placement_types import Placement, Shard
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: Split sizes: one list for a 1-D mesh, or ``{mesh_dim: [size per mesh coordinate]}``.
-SplitSizes = Union[Sequence[int], Mapping[int, Sequence[int]], None]
+SplitSizes = Sequence[int] | Mapping[int, Sequence[int]] | None
 
 
 def chunk_split_sizes(size: int, parts: int) -> list[int]:
@@ -147,6 +147,7 @@ def sharding_shapes_for(
             local = list(shape)
             for other_dim, other_sizes in sizes.items():
                 tensor_dim = _shard_dim(placements[other_dim], ndim)
+                assert tensor_dim is not None  # sizes name Shard mesh dims only (normalize_split_sizes)
                 index = k if other_dim == mesh_dim else coordinate[other_dim]
                 local[tensor_dim] = other_sizes[index]
             shapes.append(tuple(int(s) for s in local))
@@ -170,7 +171,9 @@ def local_slices(
     steps = []
     for mesh_dim, mesh_sizes in sizes.items():
         index = coordinate[mesh_dim]
-        steps.append((_shard_dim(placements[mesh_dim], ndim), sum(mesh_sizes[:index]), mesh_sizes[index]))
+        tensor_dim = _shard_dim(placements[mesh_dim], ndim)
+        assert tensor_dim is not None  # sizes name Shard mesh dims only (normalize_split_sizes)
+        steps.append((tensor_dim, sum(mesh_sizes[:index]), mesh_sizes[index]))
     return steps
 
 

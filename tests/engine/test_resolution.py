@@ -3,6 +3,8 @@
 import itertools
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from physicsnemo_shardext.declarations import PatchDeclaration
 from physicsnemo_shardext.engine.provenance import PluginInfo
@@ -42,10 +44,6 @@ def test_preference_resolves_a_tie_in_every_order():
         winners, conflicts = resolve_claims(order, prefer=("b-dist",))
         assert winners[SLOT].winner.name == "b"
         assert conflicts[0].winner == "b" and conflicts[0].resolved_by == "SHARDEXT_PREFER"
-
-
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 @settings(max_examples=60, deadline=None)

@@ -54,6 +54,11 @@ What runs where (PhysicsNeMo 2.2.2, torch 2.14):
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from physicsnemo.models.dit import DiT
@@ -285,29 +290,20 @@ def test_vit_encoder_on_4_ranks(domain_mesh):
 
 
 # -- a causal sequence model ------------------------------------------------------------------------
-class CausalLM(torch.nn.Module):
-    """A one-block decoder: token + learned position embedding, causal self-attention, MLP, LM head."""
+def _example_model() -> type:
+    """The decoder of examples/transformer_cpu.py (one model for the example and this test)."""
+    name = "shardext_example_transformer_cpu"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "examples" / "transformer_cpu.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name].CausalLM
 
-    def __init__(self, vocab: int = 11, width: int = 16, heads: int = 2, length: int = 32) -> None:
-        super().__init__()
-        self.heads = heads
-        self.tokens = torch.nn.Embedding(vocab, width)
-        self.position = torch.nn.Parameter(0.1 * torch.randn(1, length, width))
-        self.norm = torch.nn.LayerNorm(width)
-        self.qkv = torch.nn.Linear(width, 3 * width)
-        self.proj = torch.nn.Linear(width, width)
-        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width),
-                                       torch.nn.GELU(), torch.nn.Linear(2 * width, width))
-        self.head = torch.nn.Linear(width, vocab)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids) + self.position[:, : ids.shape[1]]
-        batch, length, width = x.shape
-        q, k, v = (t.reshape(batch, length, self.heads, -1).transpose(1, 2)
-                   for t in self.qkv(self.norm(x)).chunk(3, dim=-1))
-        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
-        return self.head(x + self.mlp(x))
+#: A one-block decoder (token + learned position embedding, causal self-attention, MLP, LM head), small.
+CausalLM = functools.partial(_example_model(), vocab=11, width=16, heads=2, length=32, mlp_ratio=2, position_scale=0.1)
 
 
 @pytest.mark.multirank(2, timeout=120)

@@ -1,4 +1,4 @@
-"""Tests of the first-party fallback_fix plugin (patches/fallback_fix.py) and its detection."""
+"""Tests of the first-party fallback_fix plugin (patches/fallback_fix/) and its detection."""
 
 from __future__ import annotations
 

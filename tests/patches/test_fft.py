@@ -90,7 +90,7 @@ def test_rfft2_placement_and_roundtrip_restore_the_split(domain_mesh, split):
     y = torch.fft.irfft2(X, s=(8, 10))
     assert tuple(y._spec.placements) == (Shard(2),)
     assert [s[2] for s in y._spec.sharding_shapes()[0]] == split  # back to x's own uneven split
-    roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t, norm="ortho"), s=(8, 10), norm="ortho")
+    roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t, norm="ortho"), s=(8, 10), norm="ortho")  # noqa: E731
     report = check_conformance(roundtrip, [x], spec)
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
 
@@ -130,7 +130,7 @@ def test_pencil_decomposition_on_a_2x2_mesh(spatial_mesh):
     report = check_conformance(torch.fft.rfftn, [x], spec, kwargs={"dim": (1, 2, 3)},
                                expected_placements=[Shard(2), Shard(3)])
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}  # one transpose per mesh dim
-    roundtrip = lambda t: torch.fft.irfftn(torch.fft.rfftn(t, dim=(1, 2, 3)), s=(6, 5, 8), dim=(1, 2, 3))
+    roundtrip = lambda t: torch.fft.irfftn(torch.fft.rfftn(t, dim=(1, 2, 3)), s=(6, 5, 8), dim=(1, 2, 3))  # noqa: E731
     report = check_conformance(roundtrip, [x], spec)
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 4}
 
@@ -145,7 +145,7 @@ def test_pencil_rfft2_ends_on_frequency_dims_only(spatial_mesh):
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 3}  # W->C, H->W, C->H
     check_conformance(torch.fft.fft2, [x.to(torch.complex64)], spec, expected_placements=[Shard(3), Shard(2)],
                       atol=1e-4)
-    roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t), s=(9, 7))
+    roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t), s=(9, 7))  # noqa: E731
     report = check_conformance(roundtrip, [x], spec, expected_placements=[Shard(2), Shard(3)])
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 6}
     # The inverse restores the input's own uneven split, not a balanced one.

@@ -142,7 +142,7 @@ CHUNK_LAYOUT_EINSUMS = {
 
 def _einsum_operands(specs, mesh, rank, fulls, shares):
     ops, leaves = [], []
-    for (shape, placement, split), full, share in zip(specs, fulls, shares):
+    for (_shape, placement, split), full, share in zip(specs, fulls, shares):
         if placement is None:
             local = (full * share if rank == 0 else full * (1 - share)).requires_grad_(True)
             ops.append(ShardTensor.from_local(local, mesh, [Partial()], sharding_shapes={}))

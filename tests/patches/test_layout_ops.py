@@ -1,4 +1,4 @@
-"""Tests of the layout_ops plugin (patches/layout_ops.py): permute, transpose, contiguous/clone, cat, stack, views.
+"""Tests of the layout_ops plugin (patches/layout_ops/): permute, transpose, contiguous/clone, cat, stack, views.
 
 PReLU, which lived in this family before, is tested in ``test_pointwise.py``.
 """

@@ -41,7 +41,7 @@ def test_owner_of_skips_empty_shards_and_refuses_rows_outside():
 
 def test_a_layout_without_a_mesh_has_no_group():
     with pytest.raises(AssertionError, match="no process group"):
-        DimLayout(0, 0, (1, 1), 0, None).group
+        _ = DimLayout(0, 0, (1, 1), 0, None).group
 
 
 @pytest.mark.parametrize(

@@ -227,7 +227,7 @@ def test_physicsnemos_gather_deprecation_is_not_shown_in_rank_bodies(domain_mesh
         pytest.skip("PhysicsNeMo no longer gathers through the deprecated all_gather_tensor")
     with warnings.catch_warnings(record=True) as caught:  # the body's filters, recording what they let through
         check_conformance(torch.nn.LayerNorm(8), [full], ShardSpec(domain_mesh, [Shard(1)], [10, 7]))
-        warnings.warn("another FutureWarning still shows", FutureWarning)
+        warnings.warn("another FutureWarning still shows", FutureWarning, stacklevel=1)
     messages = [str(w.message) for w in caught]
     assert not any(_GATHER_DEPRECATION in m for m in messages), messages
     assert "another FutureWarning still shows" in messages

@@ -37,6 +37,7 @@ from physicsnemo_shardext.training.parallel import (
     unwrap_model,
     wrap_model,
 )
+from training_models import PosCNN
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -213,31 +214,18 @@ def test_broadcast_parameters_makes_each_domain_group_agree(rank):
 @pytest.mark.multirank(4)
 def test_broadcast_parameters_skips_dtensors(rank):
     layout = _layout(2)
-    model = _PosModel()
+    model = PosCNN()
     shard_spatial_parameters(model, layout, ["pos_embed"], dim=2)
     local = model.pos_embed.to_local().clone()
     broadcast_parameters(model, layout)
     assert torch.equal(model.pos_embed.to_local(), local)
 
 
-class _PosModel(nn.Module):
-    """Conv, a spatial positional embedding (as AFNO's pos_embed), conv."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
-        self.pos_embed = nn.Parameter(0.1 * torch.randn(1, 4, 9, 6))
-        self.c2 = nn.Conv2d(4, 1, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c2(F.gelu(self.c1(x)) + self.pos_embed)
-
-
 @pytest.mark.multirank(4)
 def test_shard_spatial_parameters_by_name_and_pattern(rank):
     layout = _layout(2)
     torch.manual_seed(0)
-    model = nn.Sequential(_PosModel())
+    model = nn.Sequential(PosCNN())
     full = model[0].pos_embed.detach().clone()
     with pytest.raises(KeyError, match=r"no parameter matches \['nope', '\*\.missing'\]"):
         shard_spatial_parameters(model, layout, ["nope", "*.missing", "0.pos_embed"], dim=2)
@@ -262,12 +250,12 @@ def test_wrap_model_wrappers(rank):
     plain = conv()
     assert wrap_model(plain, single, "ddp") is plain  # ddp size 1: DDP skipped
     assert wrap_model(plain, layout, "none") is plain
-    sharded = _PosModel()
+    sharded = PosCNN()
     assert wrap_model(sharded, single, "fsdp2", spatial_parameters=["pos_embed"], spatial_dim=2) is sharded
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
     assert sharded.pos_embed.device_mesh.mesh_dim_names == ("ddp", "domain")  # FSDP2 + domain: 2-D
     with pytest.raises(ValueError, match="spatial_parameters=\\['pos_embed'\\] need wrapper='fsdp2'"):
-        wrap_model(_PosModel(), layout, "ddp", spatial_parameters=["pos_embed"])
+        wrap_model(PosCNN(), layout, "ddp", spatial_parameters=["pos_embed"])
     with pytest.raises(ValueError, match="unknown wrapper 'fsdp'"):
         wrap_model(conv(), layout, "fsdp")
 
@@ -276,7 +264,7 @@ def test_wrap_model_wrappers(rank):
 def test_param_groups_split_by_mesh(rank):
     layout = _layout(2)
     torch.manual_seed(0)
-    model = wrap_model(_PosModel(), layout, "fsdp2", spatial_parameters=["pos_embed"], spatial_dim=2)
+    model = wrap_model(PosCNN(), layout, "fsdp2", spatial_parameters=["pos_embed"], spatial_dim=2)
     groups = param_groups(model, lr=1e-3)
     meshes = [{p.device_mesh.mesh_dim_names for p in g["params"]} for g in groups]
     # the module's own pos_embed comes first in parameters(), then c1 and c2's weights and biases
@@ -327,7 +315,7 @@ def test_checkpoint_resume_equals_uninterrupted_training(rank, tmp_path, wrapper
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
-        model = wrap_model(_PosModel(), layout, wrapper, spatial_parameters=spatial, spatial_dim=2)
+        model = wrap_model(PosCNN(), layout, wrapper, spatial_parameters=spatial, spatial_dim=2)
         return model, torch.optim.Adam(param_groups(model, lr=1e-2))
 
     path = Path(tmp_path) / f"ckpt-{wrapper}"

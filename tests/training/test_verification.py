@@ -19,6 +19,7 @@ from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.training.parallel import ParallelLayout, build_layout
 from physicsnemo_shardext.torch_support import compiles_empty_shards
 from physicsnemo_shardext.training.verification import TensorError, TrainingReport, relative_error, verify_training
+from training_models import PosCNN
 
 # --------------------------------------------------------------------------- pure parts
 
@@ -70,19 +71,6 @@ def _layout(ddp: int) -> ParallelLayout:
 
 def tiny_cnn() -> nn.Module:
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 1, 3, padding=1))
-
-
-class PosCNN(nn.Module):
-    """A conv, a spatial positional embedding (as AFNO's ``pos_embed``), a conv."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
-        self.pos_embed = nn.Parameter(0.1 * torch.randn(1, 4, 9, 6))
-        self.c2 = nn.Conv2d(4, 1, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c2(F.gelu(self.c1(x)) + self.pos_embed)
 
 
 def _batches(ddp: int, count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
