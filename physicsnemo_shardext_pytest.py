@@ -91,8 +91,10 @@ def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str)
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: only tests that will run count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any(needs_implementation(getattr(item, "fixturenames", ()), item.get_closest_marker(MARKER) is not None)
-           for item in items):
+    if any(
+        needs_implementation(getattr(item, "fixturenames", ()), item.get_closest_marker(MARKER) is not None)
+        for item in items
+    ):
         implementation(config)
 
 

@@ -58,9 +58,22 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "Pass", "RanksFailed", "all_ranks_agree", "counted", "counted_pass", "first_line", "fmt_bytes",
-    "heap_allocations", "initialize", "launch", "launched_by_torchrun", "median_ms", "peak_memory",
-    "pin_mmap_threshold", "rank_environment", "sync",
+    "Pass",
+    "RanksFailed",
+    "all_ranks_agree",
+    "counted",
+    "counted_pass",
+    "first_line",
+    "fmt_bytes",
+    "heap_allocations",
+    "initialize",
+    "launch",
+    "launched_by_torchrun",
+    "median_ms",
+    "peak_memory",
+    "pin_mmap_threshold",
+    "rank_environment",
+    "sync",
 ]
 
 BENCHMARKS = Path(__file__).resolve().parent
@@ -264,8 +277,15 @@ def rank_environment(kwargs: dict[str, Any], seed: int) -> Iterator[dict[str, An
         os.close(saved)
 
 
-def launch(body: Callable[[Any], Any], args: Any, nproc: int, *, progress: Any = None, grace_s: float = 10.0,
-           timeout_s: float = WORLD_TIMEOUT_S) -> None:
+def launch(
+    body: Callable[[Any], Any],
+    args: Any,
+    nproc: int,
+    *,
+    progress: Any = None,
+    grace_s: float = 10.0,
+    timeout_s: float = WORLD_TIMEOUT_S,
+) -> None:
     """Run ``body(args)`` on every rank: inline under torchrun, else on a fresh ``WorkerPool`` of ``nproc`` ranks.
 
     ``body`` must be a module-level function of a module in ``benchmarks/`` (the ranks import
@@ -285,9 +305,13 @@ def launch(body: Callable[[Any], Any], args: Any, nproc: int, *, progress: Any =
     module = body.__module__ if body.__module__ != "__main__" else Path(file_path).stem  # a script: by its name
     with tempfile.TemporaryDirectory(prefix="shardext-bench-") as stdout_dir:
         task = RankTask(
-            nodeid=f"{module}.{body.__qualname__} on {nproc} ranks", module_name=module, file_path=file_path,
-            qualname=body.__qualname__, kwargs_blob=pickle.dumps({"args": args, "stdout_dir": stdout_dir}),
-            sys_path=(str(BENCHMARKS),), environment="_common:rank_environment",
+            nodeid=f"{module}.{body.__qualname__} on {nproc} ranks",
+            module_name=module,
+            file_path=file_path,
+            qualname=body.__qualname__,
+            kwargs_blob=pickle.dumps({"args": args, "stdout_dir": stdout_dir}),
+            sys_path=(str(BENCHMARKS),),
+            environment="_common:rank_environment",
         )
         pool = WorkerPool(nproc, startup_timeout_s=max(300.0, 60.0 * nproc), grace_s=grace_s)
         try:

@@ -168,9 +168,9 @@ def measure_variant(
     variant: str, args: argparse.Namespace, mesh, device: torch.device, reference: list[torch.Tensor]
 ) -> tuple[RankResult, Timer | None]:
     """Forward and backward of the sharded attention for one variant on this rank, and its step (None: crashes)."""
-    import physicsnemo_shardext
     from torch.distributed.tensor import Replicate, Shard
 
+    import physicsnemo_shardext
     from physicsnemo_shardext.testing import shard_tensor
 
     full_q, full_k, full_v, full_cotangent = _full_inputs(args, device)
@@ -180,14 +180,20 @@ def measure_variant(
     ranks = dist.get_world_size()
     kv_bytes = 2 * args.batch * args.heads * args.tokens * args.dim * q.element_size()
     result = RankResult(
-        variant, dist.get_rank(), ranks, q.to_local().shape[2],
-        forward_bound=(ranks - 1) * kv_bytes // ranks, backward_bound=2 * (ranks - 1) * kv_bytes // ranks,
+        variant,
+        dist.get_rank(),
+        ranks,
+        q.to_local().shape[2],
+        forward_bound=(ranks - 1) * kv_bytes // ranks,
+        backward_bound=2 * (ranks - 1) * kv_bytes // ranks,
     )
     attention = _attention(args)
     if variant == "gather":
+
         def call() -> torch.Tensor:
             return attention(q, k.redistribute(placements=[Replicate()]), v.redistribute(placements=[Replicate()]))
     else:
+
         def call() -> torch.Tensor:
             return attention(q, k, v)
 
@@ -199,7 +205,8 @@ def measure_variant(
             out.backward(cotangent)
 
     context: Callable[[], contextlib.AbstractContextManager] = (
-        (lambda: physicsnemo_shardext.disabled(plugins=["attention"])) if variant == "physicsnemo"
+        (lambda: physicsnemo_shardext.disabled(plugins=["attention"]))
+        if variant == "physicsnemo"
         else contextlib.nullcontext
     )
     with context():
@@ -306,8 +313,11 @@ def run(args: argparse.Namespace) -> None:
                     "goals": {"forward": FORWARD_GOAL, "backward": BACKWARD_GOAL, "memory": memory_goal(n)},
                     "results": [
                         dataclasses.asdict(r)
-                        | {"forward_ratio": r.forward_ratio, "backward_ratio": r.backward_ratio,
-                           "memory_ratio": r.memory_ratio}
+                        | {
+                            "forward_ratio": r.forward_ratio,
+                            "backward_ratio": r.backward_ratio,
+                            "memory_ratio": r.memory_ratio,
+                        }
                         for r in rows
                     ],
                 }

@@ -21,8 +21,22 @@ import torch.nn.functional as F
 __all__ = ["CASES", "COMPLEX", "FAMILIES", "FLOAT", "Setup", "Shape", "randn"]
 
 FAMILIES = (
-    "convolution", "padding", "pooling", "resampling", "normalization", "fft", "afno", "finite_differences",
-    "roll_flip", "softmax_cumsum", "losses", "linear", "attention", "indexing_einsum", "layout_ops", "pointwise",
+    "convolution",
+    "padding",
+    "pooling",
+    "resampling",
+    "normalization",
+    "fft",
+    "afno",
+    "finite_differences",
+    "roll_flip",
+    "softmax_cumsum",
+    "losses",
+    "linear",
+    "attention",
+    "indexing_einsum",
+    "layout_ops",
+    "pointwise",
     "uneven_redistribute",
 )
 FLOAT, COMPLEX = 4, 8  # bytes of a float32 and a complex64 element
@@ -141,8 +155,10 @@ def _stencil_bounds(
 
 def _conv_windows(length: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> list[tuple[int, int]]:
     out = (length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-    return [(max(o * stride - padding, 0), min(o * stride - padding + dilation * (kernel - 1), length - 1))
-            for o in range(out)]
+    return [
+        (max(o * stride - padding, 0), min(o * stride - padding + dilation * (kernel - 1), length - 1))
+        for o in range(out)
+    ]
 
 
 def case_convolution(s: Shape) -> Setup:
@@ -151,10 +167,14 @@ def case_convolution(s: Shape) -> Setup:
     windows = _conv_windows(s.height, 3, 2, 1)
     return Setup(
         op=f"Conv{nd}d({s.channels}, {s.channels}, 3, stride=2, padding=1)",
-        fn=lambda m, x: m(x), inputs=[randn(*s.size)], shard_dims=[2], grads=[True], module=conv,
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=conv,
         bounds=_stencil_bounds(s, windows, s.row_bytes, _param_bytes(conv)),
         bound_text="halo: fewest rows crossing each boundary x row bytes; bwd: those rows' gradients + "
-                   "weight/bias gradient all-reduce",
+        "weight/bias gradient all-reduce",
         targets=(getattr(F, f"conv{nd}d"),),
     )
 
@@ -170,8 +190,12 @@ def case_padding(s: Shape) -> Setup:
 
     return Setup(
         op="F.pad(x, (0, 0, 1, 1), mode='circular') (periodic H)",
-        fn=lambda m, x: F.pad(x, pad, mode="circular"), inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
-        bounds=bounds, bound_text="the wrapped rows: 1 row each way between rank 0 and rank N-1; bwd the same",
+        fn=lambda m, x: F.pad(x, pad, mode="circular"),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        bounds=bounds,
+        bound_text="the wrapped rows: 1 row each way between rank 0 and rank N-1; bwd the same",
         targets=(F.pad,),
     )
 
@@ -182,7 +206,9 @@ def case_pooling(s: Shape) -> Setup:
     return Setup(
         op=f"F.max_pool{nd}d(x, 3, stride=2, padding=1)",
         fn=lambda m, x: getattr(F, f"max_pool{nd}d")(x, 3, stride=2, padding=1),
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
         bounds=_stencil_bounds(s, windows, s.row_bytes),
         bound_text="halo: fewest rows crossing each boundary x row bytes; bwd: those rows' gradients",
         targets=(getattr(F, f"max_pool{nd}d"),),
@@ -200,7 +226,9 @@ def case_resampling(s: Shape) -> Setup:
     return Setup(
         op=f"F.interpolate(x, scale_factor=2, mode='{mode}')",
         fn=lambda m, x: F.interpolate(x, scale_factor=2, mode=mode),
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
         bounds=_stencil_bounds(s, windows, s.row_bytes),
         bound_text="halo: 1 row per boundary (the output rows between two shards need both); bwd: its gradient",
         targets=(F.interpolate,),
@@ -212,10 +240,15 @@ def case_batch_norm(s: Shape) -> Setup:
     norm = getattr(torch.nn, f"BatchNorm{nd}d")(s.channels)
     stats = 2 * s.channels * FLOAT
     return Setup(
-        op=f"BatchNorm{nd}d({s.channels}), training", fn=lambda m, x: m(x), inputs=[randn(*s.size)],
-        shard_dims=[2], grads=[True], module=norm, bounds=lambda r: (stats, stats),
+        op=f"BatchNorm{nd}d({s.channels}), training",
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=norm,
+        bounds=lambda r: (stats, stats),
         bound_text="fwd: sum and sum of squares per channel (2C floats); bwd: sum(dy), sum(dy*x_hat) per "
-                   "channel, which are also the bias and weight gradients (2C floats)",
+        "channel, which are also the bias and weight gradients (2C floats)",
         targets=(F.batch_norm,),
     )
 
@@ -225,10 +258,15 @@ def case_group_norm(s: Shape) -> Setup:
     norm = torch.nn.GroupNorm(groups, s.channels)
     stats = 2 * s.batch * groups * FLOAT
     return Setup(
-        op=f"GroupNorm({groups}, {s.channels})", fn=lambda m, x: m(x), inputs=[randn(*s.size)], shard_dims=[2],
-        grads=[True], module=norm, bounds=lambda r: (stats, stats + 2 * s.channels * FLOAT),
+        op=f"GroupNorm({groups}, {s.channels})",
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=norm,
+        bounds=lambda r: (stats, stats + 2 * s.channels * FLOAT),
         bound_text="fwd: 2 statistics per sample and group (2BG floats); bwd: 2BG floats for dx + the "
-                   "weight and bias gradients (2C floats)",
+        "weight and bias gradients (2C floats)",
         targets=(F.group_norm,),
     )
 
@@ -236,8 +274,13 @@ def case_group_norm(s: Shape) -> Setup:
 def case_layer_norm(s: Shape) -> Setup:
     norm = torch.nn.LayerNorm(s.last)
     return Setup(
-        op=f"LayerNorm({s.last}) over the last (unsharded) dim", fn=lambda m, x: m(x), inputs=[randn(*s.size)],
-        shard_dims=[2], grads=[True], module=norm, bounds=lambda r: (0, _param_bytes(norm)),
+        op=f"LayerNorm({s.last}) over the last (unsharded) dim",
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=norm,
+        bounds=lambda r: (0, _param_bytes(norm)),
         bound_text="fwd: none (rows are local); bwd: the weight and bias gradient all-reduce",
         targets=(F.layer_norm,),
     )
@@ -248,8 +291,13 @@ def case_instance_norm(s: Shape) -> Setup:
     norm = getattr(torch.nn, f"InstanceNorm{nd}d")(s.channels)
     stats = 2 * s.batch * s.channels * FLOAT
     return Setup(
-        op=f"InstanceNorm{nd}d({s.channels})", fn=lambda m, x: m(x), inputs=[randn(*s.size)], shard_dims=[2],
-        grads=[True], module=norm, bounds=lambda r: (stats, stats),
+        op=f"InstanceNorm{nd}d({s.channels})",
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=norm,
+        bounds=lambda r: (stats, stats),
         bound_text="2 statistics per sample and channel (2BC floats), forward and backward",
         targets=(F.instance_norm,),
     )
@@ -270,10 +318,15 @@ def case_fft(s: Shape) -> Setup:
         return moved, moved
 
     return Setup(
-        op=f"torch.fft.rfftn(x, dim={dims})", fn=lambda m, x: torch.fft.rfftn(x, dim=dims),
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True], bounds=bounds, exchange=True,
+        op=f"torch.fft.rfftn(x, dim={dims})",
+        fn=lambda m, x: torch.fft.rfftn(x, dim=dims),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        bounds=bounds,
+        exchange=True,
         bound_text="one all-to-all of the local half-spectrum block, (N-1)/N of it leaves the rank; bwd: the "
-                   "reverse all-to-all",
+        "reverse all-to-all",
         targets=(torch.fft.rfftn,),
     )
 
@@ -292,18 +345,26 @@ def case_afno(s: Shape) -> Setup:
 
     return Setup(
         op=f"AFNO2DLayer({s.channels}, num_blocks={blocks}) on B x H x W x C",
-        fn=lambda m, x: m(x), inputs=[randn(s.batch, height, width, s.channels)], shard_dims=[1], grads=[True],
-        module=layer, bounds=bounds, exchange=True,
+        fn=lambda m, x: m(x),
+        inputs=[randn(s.batch, height, width, s.channels)],
+        shard_dims=[1],
+        grads=[True],
+        module=layer,
+        bounds=bounds,
+        exchange=True,
         bound_text="two all-to-alls (rfft2, irfft2) of the local half-spectrum block, (N-1)/N of each; bwd: "
-                   "the reverse two + the w1, b1, w2, b2 gradient all-reduce",
+        "the reverse two + the w1, b1, w2, b2 gradient all-reduce",
     )
 
 
 def case_finite_differences(s: Shape) -> Setup:
     windows = [(max(j - 1, 0), min(j + 1, s.height - 1)) for j in range(s.height)]
     return Setup(
-        op="torch.gradient(x, dim=2)", fn=lambda m, x: torch.gradient(x, dim=2)[0],
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
+        op="torch.gradient(x, dim=2)",
+        fn=lambda m, x: torch.gradient(x, dim=2)[0],
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
         bounds=_stencil_bounds(s, windows, s.row_bytes),
         bound_text="halo: 1 row to each neighbour; bwd: those rows' gradients",
         targets=(torch.gradient,),
@@ -313,8 +374,11 @@ def case_finite_differences(s: Shape) -> Setup:
 def case_roll_flip(s: Shape) -> Setup:
     split = s.split()
     return Setup(
-        op="torch.roll(x, 1, dims=2)", fn=lambda m, x: torch.roll(x, 1, dims=2),
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
+        op="torch.roll(x, 1, dims=2)",
+        fn=lambda m, x: torch.roll(x, 1, dims=2),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
         bounds=lambda r: (min(1, split[r]) * s.row_bytes,) * 2,
         bound_text="each rank's last row moves to the next rank (the last rank's to rank 0); bwd: the reverse",
         targets=(torch.roll,),
@@ -324,8 +388,12 @@ def case_roll_flip(s: Shape) -> Setup:
 def case_softmax_cumsum(s: Shape) -> Setup:
     stats = s.row_bytes  # one row of statistics: every entry but the H dim
     return Setup(
-        op="F.softmax(x, dim=2) (over the sharded dim)", fn=lambda m, x: F.softmax(x, dim=2),
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True], bounds=lambda r: (2 * stats, stats),
+        op="F.softmax(x, dim=2) (over the sharded dim)",
+        fn=lambda m, x: F.softmax(x, dim=2),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        bounds=lambda r: (2 * stats, stats),
         bound_text="fwd: max then sum of exponentials, one row of statistics each; bwd: sum(dy*y), one row",
         targets=(F.softmax,),
     )
@@ -333,8 +401,11 @@ def case_softmax_cumsum(s: Shape) -> Setup:
 
 def case_losses(s: Shape) -> Setup:
     return Setup(
-        op="F.mse_loss(pred, target), both sharded", fn=lambda m, x, y: F.mse_loss(x, y),
-        inputs=[randn(*s.size), randn(*s.size, seed=1)], shard_dims=[2, 2], grads=[True, False],
+        op="F.mse_loss(pred, target), both sharded",
+        fn=lambda m, x, y: F.mse_loss(x, y),
+        inputs=[randn(*s.size), randn(*s.size, seed=1)],
+        shard_dims=[2, 2],
+        grads=[True, False],
         bounds=lambda r: (FLOAT, 0),
         bound_text="fwd: one scalar all-reduce; bwd: none (the gradient is local)",
         targets=(F.mse_loss,),
@@ -344,8 +415,13 @@ def case_losses(s: Shape) -> Setup:
 def case_linear(s: Shape) -> Setup:
     linear = torch.nn.Linear(s.last, s.last)
     return Setup(
-        op=f"Linear({s.last}, {s.last}) over the last dim", fn=lambda m, x: m(x), inputs=[randn(*s.size)],
-        shard_dims=[2], grads=[True], module=linear, bounds=lambda r: (0, _param_bytes(linear)),
+        op=f"Linear({s.last}, {s.last}) over the last dim",
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=linear,
+        bounds=lambda r: (0, _param_bytes(linear)),
         bound_text="fwd: none; bwd: the weight and bias gradient all-reduce",
         targets=(F.linear,),
     )
@@ -357,11 +433,14 @@ def case_attention(s: Shape) -> Setup:
     return Setup(
         op=f"F.scaled_dot_product_attention, q/k/v 1x{s.heads}x{s.tokens}x{s.head_dim} sharded over L",
         fn=lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v),
-        inputs=[randn(*shape, seed=i) for i in range(3)], shard_dims=[2, 2, 2], grads=[True] * 3,
+        inputs=[randn(*shape, seed=i) for i in range(3)],
+        shard_dims=[2, 2, 2],
+        grads=[True] * 3,
         bounds=lambda r: ((s.ranks - 1) * kv_bytes // s.ranks, 2 * (s.ranks - 1) * kv_bytes // s.ranks),
-        exchange=True, targets=(F.scaled_dot_product_attention,),
+        exchange=True,
+        targets=(F.scaled_dot_product_attention,),
         bound_text="fwd: (N-1)/N of K+V (every block once around the ring); bwd: 2(N-1)/N of K+V (K/V again, "
-                   "dK/dV partials home)",
+        "dK/dV partials home)",
     )
 
 
@@ -377,9 +456,14 @@ class _ChannelMix(torch.nn.Module):
 def case_indexing_einsum(s: Shape) -> Setup:
     mix = _ChannelMix(s.channels)
     return Setup(
-        op="torch.einsum('bc...,cd->bd...', x, w), w replicated", fn=lambda m, x: m(x),
-        inputs=[randn(*s.size)], shard_dims=[2], grads=[True], module=mix,
-        bounds=lambda r: (0, _param_bytes(mix)), bound_text="fwd: none; bwd: the weight gradient all-reduce",
+        op="torch.einsum('bc...,cd->bd...', x, w), w replicated",
+        fn=lambda m, x: m(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        module=mix,
+        bounds=lambda r: (0, _param_bytes(mix)),
+        bound_text="fwd: none; bwd: the weight gradient all-reduce",
         targets=(torch.einsum,),
     )
 
@@ -392,17 +476,27 @@ def case_layout_ops(s: Shape) -> Setup:
         return z.reshape(s.batch, -1, 2 * s.channels)
 
     return Setup(
-        op="torch.cat([x, y], 1), permuted channels-last, reshaped to B x tokens x 2C", fn=tokens,
-        inputs=[randn(*s.size), randn(*s.size, seed=1)], shard_dims=[2, 2], grads=[True, True],
-        bounds=lambda r: (0, 0), bound_text="none: every op is local on H-sharded rows",
+        op="torch.cat([x, y], 1), permuted channels-last, reshaped to B x tokens x 2C",
+        fn=tokens,
+        inputs=[randn(*s.size), randn(*s.size, seed=1)],
+        shard_dims=[2, 2],
+        grads=[True, True],
+        bounds=lambda r: (0, 0),
+        bound_text="none: every op is local on H-sharded rows",
         targets=(torch.cat, torch.Tensor.permute, torch.Tensor.reshape),
     )
 
 
 def case_pointwise(s: Shape) -> Setup:
     return Setup(
-        op="F.gelu(x)", fn=lambda m, x: F.gelu(x), inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
-        bounds=lambda r: (0, 0), bound_text="none", targets=(F.gelu,),
+        op="F.gelu(x)",
+        fn=lambda m, x: F.gelu(x),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        bounds=lambda r: (0, 0),
+        bound_text="none",
+        targets=(F.gelu,),
     )
 
 
@@ -411,15 +505,17 @@ def case_uneven_redistribute(s: Shape) -> Setup:
     split = [base[0] + 1, *base[1:-1], base[-1] - 1] if s.ranks > 1 else base
     return Setup(
         op=f"torch.sort(x, dim=2) on H split {'/'.join(map(str, split))} (not torch.chunk's)",
-        fn=lambda m, x: torch.sort(x, dim=2).values, inputs=[randn(*s.size)], shard_dims=[2], grads=[True],
-        split=split, bounds=lambda r: (split[r] * s.row_bytes, 0),
+        fn=lambda m, x: torch.sort(x, dim=2).values,
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        split=split,
+        bounds=lambda r: (split[r] * s.row_bytes, 0),
         may_abort=True,  # a collective whose sizes differ between ranks aborts in gloo
         bound_text="the op needs H whole (DTensor's strategy): one all-gather of each rank's true rows; bwd: "
-                   "none (the replicated gradient is sliced locally)",
+        "none (the replicated gradient is sliced locally)",
         targets=(torch.sort,),
     )
-
-
 
 
 CASES: dict[str, list[Callable[[Shape], Setup]]] = {

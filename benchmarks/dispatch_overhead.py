@@ -51,8 +51,9 @@ def _init(device: str) -> Any:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    import physicsnemo_shardext
     from torch.distributed.device_mesh import init_device_mesh
+
+    import physicsnemo_shardext
 
     physicsnemo_shardext.initialize()
     return init_device_mesh(device, (1,), mesh_dim_names=("domain",))
@@ -141,12 +142,18 @@ def per_op(mesh: Any, device: str, repeats: int) -> list[dict[str, Any]]:
                 table.pop(key, None)
             else:
                 table[key] = held
-        rows.append({
-            "op": name, "plain_us": plain * 1e6, "noop_us": noop * 1e6, "ours_us": ours * 1e6,
-            "shardtensor_us": noop * 1e6, "handler_us": (ours - noop - plain) * 1e6,
-            "handler": "installed" if held is not None else "DTensor fallback",
-            **({"without_us": without * 1e6} if isinstance(without, float) else {"without_error": without}),
-        })
+        rows.append(
+            {
+                "op": name,
+                "plain_us": plain * 1e6,
+                "noop_us": noop * 1e6,
+                "ours_us": ours * 1e6,
+                "shardtensor_us": noop * 1e6,
+                "handler_us": (ours - noop - plain) * 1e6,
+                "handler": "installed" if held is not None else "DTensor fallback",
+                **({"without_us": without * 1e6} if isinstance(without, float) else {"without_error": without}),
+            }
+        )
     return rows
 
 
@@ -159,22 +166,53 @@ def _models(size: int, device: str) -> dict[str, tuple[torch.nn.Module, torch.Te
     depth = max(16, size // 8)
     return {
         f"FNO 1x3x{size}x{size}": (
-            FNO(in_channels=3, out_channels=1, decoder_layers=1, decoder_layer_size=32, dimension=2,
-                latent_channels=32, num_fno_layers=4, num_fno_modes=16, padding=0).to(device),
-            torch.randn(1, 3, size, size, device=device)),
+            FNO(
+                in_channels=3,
+                out_channels=1,
+                decoder_layers=1,
+                decoder_layer_size=32,
+                dimension=2,
+                latent_channels=32,
+                num_fno_layers=4,
+                num_fno_modes=16,
+                padding=0,
+            ).to(device),
+            torch.randn(1, 3, size, size, device=device),
+        ),
         f"Pix2Pix 1x1x{size}x{size}": (
-            Pix2Pix(in_channels=1, out_channels=1, dimension=2, conv_layer_size=16, n_downsampling=2,
-                    n_upsampling=2, n_blocks=2, batch_norm=True, padding_type="reflect").to(device),
-            torch.randn(1, 1, size, size, device=device)),
+            Pix2Pix(
+                in_channels=1,
+                out_channels=1,
+                dimension=2,
+                conv_layer_size=16,
+                n_downsampling=2,
+                n_upsampling=2,
+                n_blocks=2,
+                batch_norm=True,
+                padding_type="reflect",
+            ).to(device),
+            torch.randn(1, 1, size, size, device=device),
+        ),
         f"UNet3D 1x1x{depth}^3": (
-            UNet(in_channels=1, out_channels=1, model_depth=3, feature_map_channels=[8, 8, 16, 16, 32, 32],
-                 gradient_checkpointing=False).to(device),
-            torch.randn(1, 1, depth, depth, depth, device=device)),
+            UNet(
+                in_channels=1,
+                out_channels=1,
+                model_depth=3,
+                feature_map_channels=[8, 8, 16, 16, 32, 32],
+                gradient_checkpointing=False,
+            ).to(device),
+            torch.randn(1, 1, depth, depth, depth, device=device),
+        ),
     }
 
 
 def per_model(
-    mesh: Any, device: str, sizes: list[int], repeats: int, compile_too: bool, only: list[str] | None = None,
+    mesh: Any,
+    device: str,
+    sizes: list[int],
+    repeats: int,
+    compile_too: bool,
+    only: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """The per-model table: plain vs ShardTensor steps, eager (and compiled); ``only`` keeps the models
     whose name contains one of its words (case-insensitive)."""
@@ -221,8 +259,14 @@ def _op_cells(row: dict[str, Any]) -> list[str]:
     if "error" in row:
         return [row["op"], f"{row['plain_us']:.0f}", "-", "-", f"fails: {row['error'][:60]}", "-"]
     without = f"{row['without_us']:.0f}" if "without_us" in row else f"fails ({row['without_error'][:40]})"
-    return [row["op"], f"{row['plain_us']:.0f}", f"{row['noop_us']:.0f}", without, f"{row['ours_us']:.0f}",
-            f"{row['handler_us']:.0f}"]
+    return [
+        row["op"],
+        f"{row['plain_us']:.0f}",
+        f"{row['noop_us']:.0f}",
+        without,
+        f"{row['ours_us']:.0f}",
+        f"{row['handler_us']:.0f}",
+    ]
 
 
 def _model_cells(row: dict[str, Any]) -> list[str]:
@@ -246,18 +290,27 @@ def main(argv: list[str] | None = None) -> int:
     mesh = _init(args.device)
     ops = [] if args.skip_ops else per_op(mesh, args.device, args.op_repeats)
     if ops:
-        _print_table(f"per op, {args.device}, 1x8x32x32 on a one-rank mesh (median us of {args.op_repeats}):",
-                     ["op", "plain", "ShardTensor, do-nothing handler", "without this package", "ours", "handler adds"],
-                     [_op_cells(row) for row in ops])
-    models = [] if args.skip_models else per_model(
-        mesh, args.device, args.size or [64], args.repeats, args.compile, args.model)
+        _print_table(
+            f"per op, {args.device}, 1x8x32x32 on a one-rank mesh (median us of {args.op_repeats}):",
+            ["op", "plain", "ShardTensor, do-nothing handler", "without this package", "ours", "handler adds"],
+            [_op_cells(row) for row in ops],
+        )
+    models = (
+        []
+        if args.skip_models
+        else per_model(mesh, args.device, args.size or [64], args.repeats, args.compile, args.model)
+    )
     if models:
-        _print_table(f"\nper model, {args.device}, forward+backward on a one-rank mesh (median ms of {args.repeats}):",
-                     ["model", "mode", "plain", "ShardTensor", "ratio"], [_model_cells(row) for row in models])
+        _print_table(
+            f"\nper model, {args.device}, forward+backward on a one-rank mesh (median ms of {args.repeats}):",
+            ["model", "mode", "plain", "ShardTensor", "ratio"],
+            [_model_cells(row) for row in models],
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"device": args.device, "torch": torch.__version__, "ops": ops, "models": models}, handle,
-                      indent=2)
+            json.dump(
+                {"device": args.device, "torch": torch.__version__, "ops": ops, "models": models}, handle, indent=2
+            )
     return 0
 
 

@@ -108,8 +108,7 @@ class Run:
         self.setup = setup
         self.module = distribute_module(copy.deepcopy(setup.module).to(device), mesh) if setup.module else None
         self.inputs = [
-            t.to(device) if d is None
-            else shard_tensor(t.to(device), mesh, [Shard(d)], setup.split, requires_grad=g)
+            t.to(device) if d is None else shard_tensor(t.to(device), mesh, [Shard(d)], setup.split, requires_grad=g)
             for t, d, g in zip(setup.inputs, setup.shard_dims, setup.grads)
         ]
         self.cotangent: torch.Tensor | None = None
@@ -195,12 +194,17 @@ def _compare(run: Run, out: torch.Tensor | None, reference: Reference, backward:
     """The largest difference from single-process (output, then every gradient) and the first wrong one."""
     checks = [("output", out, reference.output)]
     if backward:
-        checks += [(f"gradient of input {i}", t.grad, g)
-                   for i, (t, g) in enumerate(zip(run.inputs, reference.input_grads)) if g is not None]
+        checks += [
+            (f"gradient of input {i}", t.grad, g)
+            for i, (t, g) in enumerate(zip(run.inputs, reference.input_grads))
+            if g is not None
+        ]
         if run.module is not None:
             params = dict(run.module.named_parameters())
-            checks += [(f"gradient of {n}", params[n].grad if n in params else None, g)
-                       for n, g in reference.param_grads.items()]
+            checks += [
+                (f"gradient of {n}", params[n].grad if n in params else None, g)
+                for n, g in reference.param_grads.items()
+            ]
     worst, wrong = 0.0, ""
     for what, actual, expected in checks:
         error, note = _difference(what, actual, expected)
@@ -226,8 +230,12 @@ def _partial_grads(run: Run) -> bool:
 
     if run.module is None:
         return False
-    return any(isinstance(pl, Partial) for p in run.module.parameters() if p.grad is not None
-               for pl in getattr(p.grad, "placements", ()))
+    return any(
+        isinstance(pl, Partial)
+        for p in run.module.parameters()
+        if p.grad is not None
+        for pl in getattr(p.grad, "placements", ())
+    )
 
 
 def _failure(stage: str, error: Exception | None) -> str:
@@ -265,8 +273,16 @@ def _measure(run: Run, reference: Reference, device: torch.device) -> Measured:
     return m
 
 
-def measure_case(family: str, build: Callable[[Shape], Setup], shape: Shape, mesh: Any, device: torch.device, *,
-                 aborted: Mapping[str, str] | None = None, unprobed: bool = False) -> CaseResult:
+def measure_case(
+    family: str,
+    build: Callable[[Shape], Setup],
+    shape: Shape,
+    mesh: Any,
+    device: torch.device,
+    *,
+    aborted: Mapping[str, str] | None = None,
+    unprobed: bool = False,
+) -> CaseResult:
     """Single-process, sharded with the family, sharded with the family off: bytes, memory, errors.
 
     ``aborted``: what the probe world found killing the process (``family|op|variant`` -> why),
@@ -279,8 +295,16 @@ def measure_case(family: str, build: Callable[[Shape], Setup], shape: Shape, mes
     torch.manual_seed(0)  # module parameters: the same on every rank and in the single-process run
     setup = build(shape)
     fwd_bound, bwd_bound = setup.bounds(rank)
-    result = CaseResult(family, setup.op, shape.ranks, rank, setup.bound_text, setup.exchange,
-                        forward_bound=fwd_bound, backward_bound=bwd_bound)
+    result = CaseResult(
+        family,
+        setup.op,
+        shape.ranks,
+        rank,
+        setup.bound_text,
+        setup.exchange,
+        forward_bound=fwd_bound,
+        backward_bound=bwd_bound,
+    )
     reference = _single(setup, device)
     result.single_peak_mib = reference.peak_mib
 
@@ -288,8 +312,9 @@ def measure_case(family: str, build: Callable[[Shape], Setup], shape: Shape, mes
     key = f"{family}|{setup.op}"
     if setup.may_abort and unprobed:
         for variant in ("ours", "fallback"):
-            aborted[f"{key}|{variant}"] = ("may abort the process: not run under torchrun, where no probe world can "
-                                           "be spawned first")
+            aborted[f"{key}|{variant}"] = (
+                "may abort the process: not run under torchrun, where no probe world can be spawned first"
+            )
     if f"{key}|ours" in aborted:
         ours = Measured(status=f"fails: {kills(aborted[f'{key}|ours'])}; not run")
     else:
@@ -326,4 +351,3 @@ def measure_case(family: str, build: Callable[[Shape], Setup], shape: Shape, mes
 def kills(reason: str) -> str:
     """How a probed variant failed, as a phrase: it hangs, or it aborts the process."""
     return reason if reason.startswith(("hangs", "may")) else f"the process aborts ({reason})"
-

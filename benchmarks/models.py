@@ -49,38 +49,67 @@ def build_model(name: str, res: int) -> tuple[torch.nn.Module, torch.Tensor, str
         from physicsnemo.models.fno import FNO
 
         modes = max(2, min(16, res // 8))
-        model = FNO(in_channels=3, out_channels=1, dimension=2, latent_channels=32, num_fno_layers=4,
-                    num_fno_modes=modes)
+        model = FNO(
+            in_channels=3, out_channels=1, dimension=2, latent_channels=32, num_fno_layers=4, num_fno_modes=modes
+        )
         return model, randn(1, 3, res, res), f"FNO 2-D, latent 32, 4 layers, {modes} modes, padding 8, coords"
     if name == "unet":
         from physicsnemo.models.unet import UNet
 
         side = max(4, res // 8)
-        model = UNet(in_channels=1, out_channels=1, model_depth=3, feature_map_channels=[8, 8, 16, 16, 32, 32],
-                     gradient_checkpointing=False)
+        model = UNet(
+            in_channels=1,
+            out_channels=1,
+            model_depth=3,
+            feature_map_channels=[8, 8, 16, 16, 32, 32],
+            gradient_checkpointing=False,
+        )
         return model, randn(1, 1, side, side, side), "UNet 3-D, depth 3, channels 8-32, GroupNorm, MaxPool3d(2)"
     if name == "pix2pix":
         from physicsnemo.models.pix2pix import Pix2Pix
 
-        model = Pix2Pix(in_channels=1, out_channels=1, dimension=2, conv_layer_size=32, n_downsampling=2,
-                        n_upsampling=2, n_blocks=2, batch_norm=True, padding_type="reflect")
+        model = Pix2Pix(
+            in_channels=1,
+            out_channels=1,
+            dimension=2,
+            conv_layer_size=32,
+            n_downsampling=2,
+            n_upsampling=2,
+            n_blocks=2,
+            batch_norm=True,
+            padding_type="reflect",
+        )
         return model, randn(1, 1, res, res), "Pix2Pix 2-D, 32 channels, 2 down/up, 2 blocks, BatchNorm, reflect"
     if name == "vit":
         from timm.models.vision_transformer import VisionTransformer
 
         patch = max(2, res // 32)
-        model = VisionTransformer(img_size=res, patch_size=patch, in_chans=3, num_classes=10, embed_dim=256, depth=4,
-                                  num_heads=8, mlp_ratio=2.0, class_token=False, global_pool="avg")
-        return model, randn(1, 3, res, res), (f"timm ViT, patch {patch}, {(res // patch) ** 2} tokens, width 256, "
-                                               "depth 4, 8 heads, no class token")
+        model = VisionTransformer(
+            img_size=res,
+            patch_size=patch,
+            in_chans=3,
+            num_classes=10,
+            embed_dim=256,
+            depth=4,
+            num_heads=8,
+            mlp_ratio=2.0,
+            class_token=False,
+            global_pool="avg",
+        )
+        return (
+            model,
+            randn(1, 3, res, res),
+            (f"timm ViT, patch {patch}, {(res // patch) ** 2} tokens, width 256, depth 4, 8 heads, no class token"),
+        )
     raise ValueError(name)
 
 
 Timer = Callable[[], None]
 
 
-def measure_model(name: str, args: argparse.Namespace, mesh: Any, device: torch.device, ranks: int
-                  ) -> tuple[ModelResult, Timer | None]:
+def measure_model(
+    name: str, args: argparse.Namespace, mesh: Any, device: torch.device, ranks: int
+) -> tuple[ModelResult, Timer | None]:
     """One training step (forward+backward) of ``name``: sharded over dim 2 on ``mesh``, or plain (``ranks=1``).
 
     Measures the peak memory now and returns a timer that fills in the median step time: call the

@@ -61,8 +61,11 @@ def probe_world(args: argparse.Namespace) -> None:
                         continue
                     log.write(f"start {key}\n")
                     log.flush()
-                    context = physicsnemo_shardext.disabled(plugins=[family]) if variant == "fallback" \
+                    context = (
+                        physicsnemo_shardext.disabled(plugins=[family])
+                        if variant == "fallback"
                         else contextlib.nullcontext()
+                    )
                     try:
                         with context:
                             run = Run(setup, mesh, manager.device)
@@ -124,4 +127,3 @@ def run_probes(args: argparse.Namespace, ranks: int, tmp: str) -> dict[str, str]
             reason = "hangs or dies: the probe world ended in this variant without a gloo message"
         aborted.update({key: reason[:160] for key in unfinished})
     return aborted
-

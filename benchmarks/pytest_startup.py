@@ -97,8 +97,11 @@ def measure(repeats: int, use_time: bool) -> dict[str, Any]:
     }
     return {
         "schema": 1,
-        "config": {"repeats": repeats, "rss_from": "/usr/bin/time -v" if use_time else "ru_maxrss",
-                   "python": sys.version.split()[0]},
+        "config": {
+            "repeats": repeats,
+            "rss_from": "/usr/bin/time -v" if use_time else "ru_maxrss",
+            "python": sys.version.split()[0],
+        },
         "results": results,
         "overhead": overhead,
         "goals": {"seconds": GOAL_SECONDS, "mib": GOAL_MIB},
@@ -122,8 +125,12 @@ def table(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant (the median is reported)")
-    parser.add_argument("--rss-from", choices=("auto", "time", "wrapper"), default="auto",
-                        help="peak RSS from /usr/bin/time -v (auto: when it exists) or a ru_maxrss wrapper")
+    parser.add_argument(
+        "--rss-from",
+        choices=("auto", "time", "wrapper"),
+        default="auto",
+        help="peak RSS from /usr/bin/time -v (auto: when it exists) or a ru_maxrss wrapper",
+    )
     parser.add_argument("--json", default=None, help="also write every sample, the medians and the goals to this file")
     return parser.parse_args(argv)
 
@@ -132,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_time = args.rss_from == "time" or (args.rss_from == "auto" and os.access(TIME, os.X_OK))
     report = measure(args.repeats, use_time)
-    print(f"one-test project, python -m pytest -q, median of {args.repeats} (peak RSS from "
-          f"{report['config']['rss_from']})\n")
+    print(
+        f"one-test project, python -m pytest -q, median of {args.repeats} (peak RSS from "
+        f"{report['config']['rss_from']})\n"
+    )
     print(table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -24,8 +24,17 @@ from cases import FAMILIES
 from models import MODELS
 
 __all__ = [
-    "BYTES_GOAL", "EXCHANGE_BYTES_GOAL", "FALLBACK_GOAL", "MEMORY_SLACK", "build_report", "family_tables",
-    "finite", "model_table", "summarize_cases", "summarize_models", "write_plots",
+    "BYTES_GOAL",
+    "EXCHANGE_BYTES_GOAL",
+    "FALLBACK_GOAL",
+    "MEMORY_SLACK",
+    "build_report",
+    "family_tables",
+    "finite",
+    "model_table",
+    "summarize_cases",
+    "summarize_models",
+    "write_plots",
 ]
 
 BYTES_GOAL, EXCHANGE_BYTES_GOAL = 1.1, 1.25  # the second for the all-to-all families (FFT, AFNO) and the ring
@@ -72,38 +81,71 @@ def summarize_cases(rows: list[dict]) -> list[dict]:
         fallback_ratio = None
         if fallback_bytes is not None and ours is not None and fallback_ran:
             fallback_ratio = _ratio(fallback_bytes, ours)
-        memory_ratios = [None if not r["single_peak_mib"] or r["peak_mib"] is None else r["peak_mib"] / r["single_peak_mib"]
-                         for r in per_rank]
+        memory_ratios = [
+            None if not r["single_peak_mib"] or r["peak_mib"] is None else r["peak_mib"] / r["single_peak_mib"]
+            for r in per_rank
+        ]
         memory_ratio = None if any(m is None for m in memory_ratios) else max(memory_ratios)
         bytes_goal = EXCHANGE_BYTES_GOAL if first["exchange"] else BYTES_GOAL
         memory_goal = 1 / ranks + MEMORY_SLACK
         goals = {
-            "bytes": status == "ok" and fwd_ratio is not None and bwd_ratio is not None
-            and fwd_ratio <= bytes_goal and bwd_ratio <= bytes_goal,
+            "bytes": status == "ok"
+            and fwd_ratio is not None
+            and bwd_ratio is not None
+            and fwd_ratio <= bytes_goal
+            and bwd_ratio <= bytes_goal,
             # at 4 ranks, where the fallback runs (right or wrong) and gathers
-            "fallback": (None if ranks != 4 or not gathers or fallback_bytes is None or ours is None
-                         or not fallback_ran else fallback_bytes >= FALLBACK_GOAL * ours),
+            "fallback": (
+                None
+                if ranks != 4 or not gathers or fallback_bytes is None or ours is None or not fallback_ran
+                else fallback_bytes >= FALLBACK_GOAL * ours
+            ),
             "memory": memory_ratio is not None and memory_ratio <= memory_goal,
         }
-        summaries.append({
-            "family": family, "op": op, "ranks": ranks, "status": status, "bound": first["bound_text"],
-            "max_error": max((r["max_error"] for r in per_rank if r["max_error"] is not None
-                              and not math.isnan(r["max_error"])), default=None),
-            "forward": {"bytes": column("forward_bytes"), "bound": column("forward_bound"),
-                        "calls": column("forward_calls"), "ratio": fwd_ratio},
-            "backward": {"bytes": column("backward_bytes"), "bound": column("backward_bound"),
-                         "calls": column("backward_calls"), "ratio": bwd_ratio},
-            "fallback": {"path": first["fallback_path"], "status": fallback_status, "gathers": gathers,
-                         "partial_grads": any(r["fallback_partial_grads"] for r in per_rank),
-                         "forward_bytes": column("fallback_forward_bytes"),
-                         "backward_bytes": column("fallback_backward_bytes"),
-                         "ops": sorted({k for r in per_rank for k in r["fallback_ops"]}),
-                         "peak_mib": column("fallback_peak_mib"), "ratio": fallback_ratio},
-            "memory": {"peak_mib": column("peak_mib"), "single_peak_mib": column("single_peak_mib"),
-                       "ratio": memory_ratio, "goal": memory_goal},
-            "goals": goals,
-            "goal_values": {"bytes": bytes_goal, "fallback": FALLBACK_GOAL, "memory": memory_goal},
-        })
+        summaries.append(
+            {
+                "family": family,
+                "op": op,
+                "ranks": ranks,
+                "status": status,
+                "bound": first["bound_text"],
+                "max_error": max(
+                    (r["max_error"] for r in per_rank if r["max_error"] is not None and not math.isnan(r["max_error"])),
+                    default=None,
+                ),
+                "forward": {
+                    "bytes": column("forward_bytes"),
+                    "bound": column("forward_bound"),
+                    "calls": column("forward_calls"),
+                    "ratio": fwd_ratio,
+                },
+                "backward": {
+                    "bytes": column("backward_bytes"),
+                    "bound": column("backward_bound"),
+                    "calls": column("backward_calls"),
+                    "ratio": bwd_ratio,
+                },
+                "fallback": {
+                    "path": first["fallback_path"],
+                    "status": fallback_status,
+                    "gathers": gathers,
+                    "partial_grads": any(r["fallback_partial_grads"] for r in per_rank),
+                    "forward_bytes": column("fallback_forward_bytes"),
+                    "backward_bytes": column("fallback_backward_bytes"),
+                    "ops": sorted({k for r in per_rank for k in r["fallback_ops"]}),
+                    "peak_mib": column("fallback_peak_mib"),
+                    "ratio": fallback_ratio,
+                },
+                "memory": {
+                    "peak_mib": column("peak_mib"),
+                    "single_peak_mib": column("single_peak_mib"),
+                    "ratio": memory_ratio,
+                    "goal": memory_goal,
+                },
+                "goals": goals,
+                "goal_values": {"bytes": bytes_goal, "fallback": FALLBACK_GOAL, "memory": memory_goal},
+            }
+        )
     order = {f: i for i, f in enumerate(FAMILIES)}
     summaries.sort(key=lambda s: (order.get(s["family"], 99), s["ranks"]))
     return summaries
@@ -119,18 +161,29 @@ def summarize_models(rows: list[dict]) -> list[dict]:
         status = next((r["status"] for r in per_rank if r["status"] != "ok"), "ok")
         peaks = [r["peak_mib"] for r in per_rank]
         times = [r["median_ms"] for r in per_rank if r["median_ms"] is not None]
-        summaries.append({
-            "model": model, "config": per_rank[0]["config"], "ranks": ranks, "input": per_rank[0]["input_shape"],
-            "status": status, "peak_mib": peaks, "max_peak_mib": max((p for p in peaks if p is not None), default=None),
-            "median_ms": max(times) if times else None,
-        })
+        summaries.append(
+            {
+                "model": model,
+                "config": per_rank[0]["config"],
+                "ranks": ranks,
+                "input": per_rank[0]["input_shape"],
+                "status": status,
+                "peak_mib": peaks,
+                "max_peak_mib": max((p for p in peaks if p is not None), default=None),
+                "median_ms": max(times) if times else None,
+            }
+        )
     single = {s["model"]: s for s in summaries if s["ranks"] == 1}
     for s in summaries:
         base = single.get(s["model"])
-        s["memory_vs_1_rank"] = (None if not base or not base["max_peak_mib"] or s["max_peak_mib"] is None
-                                 else s["max_peak_mib"] / base["max_peak_mib"])
-        s["time_vs_1_rank"] = (None if not base or not base["median_ms"] or s["median_ms"] is None
-                               else s["median_ms"] / base["median_ms"])
+        s["memory_vs_1_rank"] = (
+            None
+            if not base or not base["max_peak_mib"] or s["max_peak_mib"] is None
+            else s["max_peak_mib"] / base["max_peak_mib"]
+        )
+        s["time_vs_1_rank"] = (
+            None if not base or not base["median_ms"] or s["median_ms"] is None else s["median_ms"] / base["median_ms"]
+        )
     order = {m: i for i, m in enumerate(MODELS)}
     summaries.sort(key=lambda s: (order.get(s["model"], 99), s["ranks"]))
     return summaries
@@ -188,8 +241,11 @@ def family_tables(summaries: list[dict]) -> str:
     ]
     for s in summaries:
         fb = s["fallback"]
-        fb_bytes = None if _mean(fb["forward_bytes"]) is None else _mean(fb["forward_bytes"]) + (
-            _mean(fb["backward_bytes"]) or 0)
+        fb_bytes = (
+            None
+            if _mean(fb["forward_bytes"]) is None
+            else _mean(fb["forward_bytes"]) + (_mean(fb["backward_bytes"]) or 0)
+        )
         what = fb["path"] + ("" if fb["status"] == "ok" else f": {fb['status']}")
         if fb["gathers"]:
             what += " (all-gathers)"
@@ -218,7 +274,6 @@ def model_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-
 def _machine(meta: dict) -> str:
     cores = os.cpu_count()
     if meta["device"] == "cuda":
@@ -229,22 +284,36 @@ def _machine(meta: dict) -> str:
 def build_report(args: argparse.Namespace, worlds: list[dict]) -> dict:
     import physicsnemo
 
-    meta = next((w["meta"] for w in worlds if w["world"] > 1), worlds[0]["meta"] if worlds else
-                {"backend": "none", "device": "cpu"})
+    meta = next(
+        (w["meta"] for w in worlds if w["world"] > 1),
+        worlds[0]["meta"] if worlds else {"backend": "none", "device": "cpu"},
+    )
     cases = [row for w in worlds for row in w["families"]]
     models = [row for w in worlds for row in w["models"]]
     return {
         "schema": 1,
         "config": {
-            "size": args.size, "ranks": sorted({w["world"] for w in worlds if w["world"] > 1}),
-            "families": args.family_list, "models": args.model_list, "model_res": args.model_res,
+            "size": args.size,
+            "ranks": sorted({w["world"] for w in worlds if w["world"] > 1}),
+            "families": args.family_list,
+            "models": args.model_list,
+            "model_res": args.model_res,
             "attention": {"tokens": args.tokens, "heads": args.heads, "head_dim": args.head_dim},
-            "dtype": "float32", "backend": meta["backend"], "device": meta["device"], "machine": _machine(meta),
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "physicsnemo": physicsnemo.__version__, "python": platform.python_version(),
+            "dtype": "float32",
+            "backend": meta["backend"],
+            "device": meta["device"],
+            "machine": _machine(meta),
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "physicsnemo": physicsnemo.__version__,
+            "python": platform.python_version(),
         },
-        "goals": {"bytes": BYTES_GOAL, "bytes_exchange": EXCHANGE_BYTES_GOAL, "fallback_at_4_ranks": FALLBACK_GOAL,
-                  "memory_slack": MEMORY_SLACK},
+        "goals": {
+            "bytes": BYTES_GOAL,
+            "bytes_exchange": EXCHANGE_BYTES_GOAL,
+            "fallback_at_4_ranks": FALLBACK_GOAL,
+            "memory_slack": MEMORY_SLACK,
+        },
         "families": summarize_cases(cases),
         "models": summarize_models(models),
     }
@@ -259,7 +328,6 @@ def finite(value: Any) -> Any:
     if isinstance(value, list):
         return [finite(v) for v in value]
     return value
-
 
 
 # == plots ============================================================================================
@@ -277,14 +345,18 @@ def write_plots(report: dict, directory: Path, fmt: str = "svg") -> list[Path]:
     rank_counts = sorted({c["ranks"] for c in cases})
 
     def label(c: dict) -> str:
-        return c["family"] if sum(1 for d in cases if d["family"] == c["family"] and d["ranks"] == c["ranks"]) == 1 \
+        return (
+            c["family"]
+            if sum(1 for d in cases if d["family"] == c["family"] and d["ranks"] == c["ranks"]) == 1
             else f"{c['family']}: {c['op'].split('(')[0]}"
+        )
 
     if cases:
         fig, axes = plt.subplots(len(rank_counts), 1, figsize=(12, 4.2 * len(rank_counts)), squeeze=False)
         for ax, n in zip(axes[:, 0], rank_counts):
             rows = [c for c in cases if c["ranks"] == n]
             xs = range(len(rows))
+
             def total(fwd: list, bwd: list) -> float | None:  # None: did not run (fails)
                 return None if _mean(fwd) is None else _mean(fwd) + (_mean(bwd) or 0)
 
@@ -292,18 +364,36 @@ def write_plots(report: dict, directory: Path, fmt: str = "svg") -> list[Path]:
             series = [
                 ("analytic bound", "#bbbbbb", [total(c["forward"]["bound"], c["backward"]["bound"]) for c in rows]),
                 ("first-party", "#1f77b4", [total(c["forward"]["bytes"], c["backward"]["bytes"]) for c in rows]),
-                ("family off (fallback)", "#d62728",
-                 [total(c["fallback"]["forward_bytes"], c["fallback"]["backward_bytes"]) if ok else None
-                  for c, ok in zip(rows, ran)]),
+                (
+                    "family off (fallback)",
+                    "#d62728",
+                    [
+                        total(c["fallback"]["forward_bytes"], c["fallback"]["backward_bytes"]) if ok else None
+                        for c, ok in zip(rows, ran)
+                    ],
+                ),
             ]
             floor, width = 1.0, 0.27  # log scale: zero bytes drawn at 1 B
             for offset, (name, color, values) in zip((-width, 0.0, width), series):
-                ax.bar([x + offset for x in xs], [math.nan if v is None else max(v, floor) for v in values], width,
-                       label=name, color=color)
+                ax.bar(
+                    [x + offset for x in xs],
+                    [math.nan if v is None else max(v, floor) for v in values],
+                    width,
+                    label=name,
+                    color=color,
+                )
                 for x, v in zip(xs, values):
                     if v is None:
-                        ax.text(x + offset, floor * 1.3, "fails", rotation=90, ha="center", va="bottom",
-                                fontsize=7, color=color)
+                        ax.text(
+                            x + offset,
+                            floor * 1.3,
+                            "fails",
+                            rotation=90,
+                            ha="center",
+                            va="bottom",
+                            fontsize=7,
+                            color=color,
+                        )
             ax.set_yscale("log")
             ax.set_ylabel("bytes / rank (fwd+bwd)")
             ax.set_title(f"{n} ranks: bytes each rank hands to collectives (zero drawn at 1 B)")
@@ -323,8 +413,13 @@ def write_plots(report: dict, directory: Path, fmt: str = "svg") -> list[Path]:
             colors = ["#2ca02c" if c["goals"]["memory"] else "#ff7f0e" for c in rows]
             ax.bar(xs, values, 0.6, color=colors)
             ax.axhline(1 / n, color="black", linestyle="--", linewidth=1, label=f"1/N = {1 / n:.2f}")
-            ax.axhline(1 / n + MEMORY_SLACK, color="black", linestyle=":", linewidth=1,
-                       label=f"goal 1/N + 10% = {1 / n + MEMORY_SLACK:.2f}")
+            ax.axhline(
+                1 / n + MEMORY_SLACK,
+                color="black",
+                linestyle=":",
+                linewidth=1,
+                label=f"goal 1/N + 10% = {1 / n + MEMORY_SLACK:.2f}",
+            )
             ax.set_ylabel("peak mem / single-process")
             ax.set_title(f"{n} ranks: per-rank peak memory of forward+backward (busiest rank)")
             ax.set_xticks(xs)
@@ -364,4 +459,3 @@ def write_plots(report: dict, directory: Path, fmt: str = "svg") -> list[Path]:
         fig.savefig(written[-1])
         plt.close(fig)
     return written
-

@@ -72,20 +72,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--families", default="all", help=f"comma-separated, 'all' or 'none' ({', '.join(FAMILIES)})")
     parser.add_argument("--models", default="all", help=f"comma-separated, 'all' or 'none' ({', '.join(MODELS)})")
     parser.add_argument("--ranks", default="2,4", help="rank counts to spawn (ignored under torchrun)")
-    parser.add_argument("--size", default="1x16x256x256",
-                        help="B x C x H x W (or x D x H x W for 3-D) of the field, sharded over the first spatial dim")
+    parser.add_argument(
+        "--size",
+        default="1x16x256x256",
+        help="B x C x H x W (or x D x H x W for 3-D) of the field, sharded over the first spatial dim",
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="attention: sequence length L (sharded)")
     parser.add_argument("--heads", type=int, default=8, help="attention: heads")
     parser.add_argument("--head-dim", type=int, default=64, help="attention: head dim E")
-    parser.add_argument("--model-res", type=int, default=256,
-                        help="models: image side (UNet: a cube of side res/8)")
+    parser.add_argument("--model-res", type=int, default=256, help="models: image side (UNet: a cube of side res/8)")
     parser.add_argument("--repeats", type=int, default=3, help="models: timed steps (median)")
     parser.add_argument("--json", default=None, help="write the whole report (every rank's numbers) to this file")
     parser.add_argument("--plot", default=None, help="write the figures to this directory (needs matplotlib)")
     parser.add_argument("--plot-format", default="svg", choices=("svg", "png", "pdf"), help="figure format")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--from-json", default=None, metavar="FILE",
-                        help="measure nothing: print the tables (and --plot) of a report written by --json")
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: print the tables (and --plot) of a report written by --json",
+    )
     args = parser.parse_args(argv)
     args.family_list = _names(args.families, FAMILIES, "families")
     args.model_list = _names(args.models, MODELS, "models")
@@ -103,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(Path(args.from_json).read_text()) if args.from_json else measure(args)
     if report["families"]:
         config = report["config"]
-        print(f"Field {'x'.join(map(str, config['size']))} float32 sharded over the first spatial dim; ranks "
-              f"{', '.join(map(str, config['ranks']))}; {config['machine']}; torch {config['torch']}, PhysicsNeMo "
-              f"{config['physicsnemo']}; {config['date']}\n")
+        print(
+            f"Field {'x'.join(map(str, config['size']))} float32 sharded over the first spatial dim; ranks "
+            f"{', '.join(map(str, config['ranks']))}; {config['machine']}; torch {config['torch']}, PhysicsNeMo "
+            f"{config['physicsnemo']}; {config['date']}\n"
+        )
         print(family_tables(report["families"]) + "\n")
     if report["models"]:
         print(model_table(report["models"]) + "\n")

@@ -90,10 +90,10 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, cotangent: torch.Tensor, back
 
 def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.device) -> RankResult:
     """Run forward(+backward) of the spectral layer for one variant on this rank."""
-    import physicsnemo_shardext
     from physicsnemo.nn.module.spectral_layers import SpectralConv2d
     from torch.distributed.tensor import Shard, distribute_module
 
+    import physicsnemo_shardext
     from physicsnemo_shardext.testing import shard_tensor
 
     torch.manual_seed(0)  # the same layer and field on every rank (the reference is computed locally)
@@ -107,7 +107,8 @@ def measure_variant(variant: str, args: argparse.Namespace, mesh, device: torch.
     result = RankResult(variant, dist.get_rank(), x.to_local().shape[2])
 
     context: Callable[[], contextlib.AbstractContextManager] = (
-        (lambda: physicsnemo_shardext.disabled(plugins=args.fallback_plugins.split(","))) if variant == "fallback"
+        (lambda: physicsnemo_shardext.disabled(plugins=args.fallback_plugins.split(",")))
+        if variant == "fallback"
         else contextlib.nullcontext
     )
     with context():
@@ -192,8 +193,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--modes", type=int, default=16, help="modes kept per dimension")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--fallback-plugins", default=DEFAULT_FALLBACK_PLUGINS,
-                        help="comma-separated plugins switched off for the fallback variant")
+    parser.add_argument(
+        "--fallback-plugins",
+        default=DEFAULT_FALLBACK_PLUGINS,
+        help="comma-separated plugins switched off for the fallback variant",
+    )
     return parser.parse_args(argv)
 
 

@@ -96,8 +96,11 @@ def run_world(args: argparse.Namespace, draw: Draw | None = None) -> None:
     warnings.filterwarnings("ignore")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
     families: list[dict] = []
     models: list[dict] = []
     progress = _Tasks(args, rank, draw)
@@ -151,8 +154,9 @@ def run_world(args: argparse.Namespace, draw: Draw | None = None) -> None:
                     timer()
         model_rows = [result for result, _ in measured]
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, ([dataclasses.asdict(r) for r in rows],
-                                          [dataclasses.asdict(r) for r in model_rows]))
+        dist.all_gather_object(
+            gathered, ([dataclasses.asdict(r) for r in rows], [dataclasses.asdict(r) for r in model_rows])
+        )
         if rank == 0:
             for case_rows, model_rows_of_rank in gathered:
                 families.extend(case_rows)
@@ -164,10 +168,11 @@ def run_world(args: argparse.Namespace, draw: Draw | None = None) -> None:
 
 def _write_world(args: argparse.Namespace, world: int, families: list[dict], models: list[dict]) -> None:
     # A world of 1 measures plain models only (a spawned one has a process group of 1 all the same).
-    meta = {"backend": dist.get_backend() if world > 1 and dist.is_initialized() else "none",
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    Path(args.world_out).write_text(json.dumps({"world": world, "meta": meta, "families": families,
-                                                "models": models}))
+    meta = {
+        "backend": dist.get_backend() if world > 1 and dist.is_initialized() else "none",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    Path(args.world_out).write_text(json.dumps({"world": world, "meta": meta, "families": families, "models": models}))
 
 
 def measure(args: argparse.Namespace) -> dict:

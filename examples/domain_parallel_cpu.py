@@ -102,7 +102,9 @@ def main() -> int:
         plugins = ", ".join(f"{r.plugin.name} ({r.plugin.distribution})" for r in registry.reports())
         print(f"ranks {manager.world_size} ({device.type}), shard heights {local_heights}, plugins: {plugins}")
         verdict = "MATCH" if worst <= args.tolerance else "MISMATCH"
-        print(f"final output max|diff| {output_error:.2e}; worst difference {worst:.2e} -> {verdict} (tol {args.tolerance})")
+        print(
+            f"final output max|diff| {output_error:.2e}; worst difference {worst:.2e} -> {verdict} (tol {args.tolerance})"
+        )
     physicsnemo_shardext.shutdown()
     return 0 if worst <= args.tolerance else 1
 

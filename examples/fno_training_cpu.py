@@ -40,10 +40,25 @@ import physicsnemo_shardext
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """A small 2-D FNO (FNO's defaults: domain padding, coordinate features) or AFNO; 2 channels in, 1 out."""
     if args.model == "afno":
-        return AFNO(inp_shape=[args.height, args.width], in_channels=2, out_channels=1,
-                    patch_size=[args.patch, args.patch], embed_dim=args.latent, depth=2, num_blocks=2)
-    return FNO(in_channels=2, out_channels=1, dimension=2, latent_channels=args.latent, num_fno_layers=2,
-               num_fno_modes=args.modes, decoder_layers=1, decoder_layer_size=16)
+        return AFNO(
+            inp_shape=[args.height, args.width],
+            in_channels=2,
+            out_channels=1,
+            patch_size=[args.patch, args.patch],
+            embed_dim=args.latent,
+            depth=2,
+            num_blocks=2,
+        )
+    return FNO(
+        in_channels=2,
+        out_channels=1,
+        dimension=2,
+        latent_channels=args.latent,
+        num_fno_layers=2,
+        num_fno_modes=args.modes,
+        decoder_layers=1,
+        decoder_layer_size=16,
+    )
 
 
 def shard_heights(args: argparse.Namespace, world_size: int) -> list[int]:
@@ -57,7 +72,7 @@ def scatter_rows(full: torch.Tensor, mesh: DeviceMesh, heights: list[int]) -> Sh
     """This rank's band of ``full`` (the same on every rank) as a ShardTensor sharded on H with ``heights``."""
     rank = mesh.get_local_rank()
     start = sum(heights[:rank])
-    local = full[:, :, start:start + heights[rank]].contiguous()
+    local = full[:, :, start : start + heights[rank]].contiguous()
     shapes = {0: tuple(torch.Size([*full.shape[:2], h, *full.shape[3:]]) for h in heights)}
     return ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes=shapes)
 
@@ -67,7 +82,9 @@ def replicated(full: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
     return ShardTensor.from_local(full, mesh, [Replicate()])
 
 
-def make_dataset(samples: int, height: int, width: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_dataset(
+    samples: int, height: int, width: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pairs (field, target): target = low-pass(channel 0) + 0.5 * channel 0 * channel 1."""
     pairs = []
     for _ in range(samples):
@@ -136,7 +153,9 @@ def main() -> int:
         worst = max(worst, relative)
         curves.append((loss, reference_loss.item()))
         if manager.rank == 0:
-            print(f"step {step:3d}: loss sharded {loss:.6f} single-process {reference_loss.item():.6f} rel.diff {relative:.2e}")
+            print(
+                f"step {step:3d}: loss sharded {loss:.6f} single-process {reference_loss.item():.6f} rel.diff {relative:.2e}"
+            )
 
     # The weights after training must agree too (a wrong gradient can hide behind a similar loss).
     weight_error = max(
@@ -147,11 +166,15 @@ def main() -> int:
     if manager.rank == 0:
         reports = physicsnemo_shardext.get_registry().reports()
         plugins = ", ".join(r.plugin.name for r in reports if r.status.value == "loaded")
-        print(f"{args.model}: ranks {manager.world_size} ({device.type}), shard heights {local_heights}, plugins: {plugins}")
+        print(
+            f"{args.model}: ranks {manager.world_size} ({device.type}), shard heights {local_heights}, plugins: {plugins}"
+        )
         print(f"loss curve sharded:        {' '.join(f'{a:.4f}' for a, _ in curves)}")
         print(f"loss curve single-process: {' '.join(f'{b:.4f}' for _, b in curves)}")
-        print(f"loss {curves[0][1]:.4f} -> {curves[-1][1]:.4f}; worst relative loss difference {worst:.2e}, "
-              f"max weight difference {weight_error:.2e} -> {'TRACKS' if ok else 'DIVERGES'} (tol {args.tolerance})")
+        print(
+            f"loss {curves[0][1]:.4f} -> {curves[-1][1]:.4f}; worst relative loss difference {worst:.2e}, "
+            f"max weight difference {weight_error:.2e} -> {'TRACKS' if ok else 'DIVERGES'} (tol {args.tolerance})"
+        )
     physicsnemo_shardext.shutdown()
     return 0 if ok else 1
 

@@ -1,6 +1,6 @@
 """The smallest domain-parallel program: shard a tensor by hand and apply a patched op.
 
-    torchrun --nproc-per-node 2 examples/minimal_shardtensor.py
+torchrun --nproc-per-node 2 examples/minimal_shardtensor.py
 """
 
 import torch

@@ -49,10 +49,25 @@ SPATIAL_PARAMETERS = {"afno": ["pos_embed"], "fno": []}
 def model_factory(args: argparse.Namespace) -> Callable[[], torch.nn.Module]:
     """A function building the (unmodified) PhysicsNeMo model: FNO with its defaults, or AFNO."""
     if args.model == "afno":
-        return lambda: AFNO(inp_shape=[args.height, args.width], in_channels=2, out_channels=1,
-                            patch_size=[args.patch, args.patch], embed_dim=args.latent, depth=2, num_blocks=2)
-    return lambda: FNO(in_channels=2, out_channels=1, dimension=2, latent_channels=args.latent, num_fno_layers=2,
-                       num_fno_modes=args.modes, decoder_layers=1, decoder_layer_size=16)
+        return lambda: AFNO(
+            inp_shape=[args.height, args.width],
+            in_channels=2,
+            out_channels=1,
+            patch_size=[args.patch, args.patch],
+            embed_dim=args.latent,
+            depth=2,
+            num_blocks=2,
+        )
+    return lambda: FNO(
+        in_channels=2,
+        out_channels=1,
+        dimension=2,
+        latent_channels=args.latent,
+        num_fno_layers=2,
+        num_fno_modes=args.modes,
+        decoder_layers=1,
+        decoder_layer_size=16,
+    )
 
 
 def shard_heights(args: argparse.Namespace, domain: int) -> list[int]:
@@ -62,7 +77,9 @@ def shard_heights(args: argparse.Namespace, domain: int) -> list[int]:
     return [unit * (units // domain + (r < units % domain)) for r in range(domain)]
 
 
-def make_batches(args: argparse.Namespace, samples: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(
+    args: argparse.Namespace, samples: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Global batches (field, target), the same on every rank: target = smoothed channel 0 + channel product."""
     generator = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     batches = []
@@ -83,13 +100,19 @@ def train(args: argparse.Namespace) -> float:
     """The training script a user writes, step by step; returns the last ddp-averaged loss."""
     # 1. Mesh: both axes always, one inferred from the world size (clear error if it does not factor).
     layout = build_layout(args.ddp, args.domain)
-    device = torch.device("cuda", torch.cuda.current_device()) if layout.mesh.device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if layout.mesh.device_type == "cuda" else torch.device("cpu")
+    )
     # 2. Same seed everywhere: the model starts identical; the domain broadcast in wrap_model makes sure.
     torch.manual_seed(0)
     model = model_factory(args)().to(device)
     # 3-5. Domain broadcast of plain parameters and buffers, then the wrapper on the ddp axis.
-    model = wrap_model(model, layout, args.wrapper, spatial_parameters=SPATIAL_PARAMETERS[args.model]
-                       if args.wrapper == "fsdp2" else ())
+    model = wrap_model(
+        model,
+        layout,
+        args.wrapper,
+        spatial_parameters=SPATIAL_PARAMETERS[args.model] if args.wrapper == "fsdp2" else (),
+    )
     if args.compile:
         model = torch.compile(model, dynamic=False)
     # 6. Optimizer after wrapping, one parameter group per mesh.
@@ -112,6 +135,8 @@ def train(args: argparse.Namespace) -> float:
         if torch.distributed.get_rank() == 0:
             print(f"step {step:3d}: loss {loss_value:.6f}")
     return loss_value
+
+
 # --8<-- [end:train]
 
 
@@ -119,21 +144,34 @@ def train(args: argparse.Namespace) -> float:
 def verify(args: argparse.Namespace) -> bool:
     """9. A few seeded steps domain-parallel and single-process: losses, every gradient, final parameters."""
     layout = build_layout(args.ddp, args.domain)
-    device = torch.device("cuda", torch.cuda.current_device()) if layout.mesh.device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if layout.mesh.device_type == "cuda" else torch.device("cpu")
+    )
     amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     report = verify_training(
-        model_factory(args), make_batches(args, layout.ddp_size, device)[: args.verify_steps], layout,
-        shard_dim=2, sizes=shard_heights(args, layout.domain_size), wrapper=args.wrapper,
+        model_factory(args),
+        make_batches(args, layout.ddp_size, device)[: args.verify_steps],
+        layout,
+        shard_dim=2,
+        sizes=shard_heights(args, layout.domain_size),
+        wrapper=args.wrapper,
         spatial_parameters=SPATIAL_PARAMETERS[args.model] if args.wrapper == "fsdp2" else (),
-        steps=args.verify_steps, compile=args.compile, autocast_dtype=amp, train=not args.inference,
+        steps=args.verify_steps,
+        compile=args.compile,
+        autocast_dtype=amp,
+        train=not args.inference,
         rtol=args.tolerance,
     )
     if torch.distributed.get_rank() == 0:
-        print(f"{args.model}: ddp {layout.ddp_size} x domain {layout.domain_size} ({layout.mesh.device_type}), "
-              f"wrapper {args.wrapper}, compile {args.compile}, amp {args.amp}, shard heights "
-              f"{shard_heights(args, layout.domain_size)}")
+        print(
+            f"{args.model}: ddp {layout.ddp_size} x domain {layout.domain_size} ({layout.mesh.device_type}), "
+            f"wrapper {args.wrapper}, compile {args.compile}, amp {args.amp}, shard heights "
+            f"{shard_heights(args, layout.domain_size)}"
+        )
         print(report.format())
     return report.ok
+
+
 # --8<-- [end:verify]
 
 
@@ -146,8 +184,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile(model, dynamic=False)")
     parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast the forward")
     parser.add_argument("--inference", action="store_true", help="verify the forward only")
-    parser.add_argument("--height", type=int, default=None,
-                        help="grid height, the sharded dimension (default 37 for FNO, 36 for AFNO: uneven bands)")
+    parser.add_argument(
+        "--height",
+        type=int,
+        default=None,
+        help="grid height, the sharded dimension (default 37 for FNO, 36 for AFNO: uneven bands)",
+    )
     parser.add_argument("--width", type=int, default=24)
     parser.add_argument("--patch", type=int, default=4, help="AFNO patch size (height and width must divide)")
     parser.add_argument("--latent", type=int, default=8, help="FNO latent channels / AFNO embedding size")
@@ -157,8 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--verify-steps", type=int, default=3)
     parser.add_argument("--no-verify", dest="verify", action="store_false")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="relative tolerance of the verification (default 1e-5 in fp32, 5e-2 under --amp)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative tolerance of the verification (default 1e-5 in fp32, 5e-2 under --amp)",
+    )
     args = parser.parse_args(argv)
     if args.height is None:
         args.height = 36 if args.model == "afno" else 37

@@ -40,8 +40,15 @@ from physicsnemo_shardext.training.verification import verify_training
 class CausalLM(torch.nn.Module):
     """A one-block decoder: token and learned position embeddings, causal self-attention, MLP, LM head."""
 
-    def __init__(self, vocab: int, width: int = 32, heads: int = 4, length: int = 256, mlp_ratio: int = 4,
-                 position_scale: float = 0.02) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        width: int = 32,
+        heads: int = 4,
+        length: int = 256,
+        mlp_ratio: int = 4,
+        position_scale: float = 0.02,
+    ) -> None:
         super().__init__()
         self.heads = heads
         self.tokens = torch.nn.Embedding(vocab, width)
@@ -50,15 +57,17 @@ class CausalLM(torch.nn.Module):
         self.qkv = torch.nn.Linear(width, 3 * width)
         self.proj = torch.nn.Linear(width, width)
         hidden = mlp_ratio * width
-        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden),
-                                       torch.nn.GELU(), torch.nn.Linear(hidden, width))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width)
+        )
         self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids) + self.position[:, : ids.shape[1]]
         batch, length, width = x.shape
-        q, k, v = (t.reshape(batch, length, self.heads, -1).transpose(1, 2)
-                   for t in self.qkv(self.norm(x)).chunk(3, dim=-1))
+        q, k, v = (
+            t.reshape(batch, length, self.heads, -1).transpose(1, 2) for t in self.qkv(self.norm(x)).chunk(3, dim=-1)
+        )
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the ring, on any backend
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
         return self.head(x + self.mlp(x))
@@ -73,8 +82,19 @@ def vision_transformer(args: argparse.Namespace) -> torch.nn.Module:
     """timm's ViT, unmodified: no class token (a global token would sit on one rank), average pooling."""
     from timm.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(img_size=(args.height, args.width), patch_size=args.patch, in_chans=3, num_classes=4,
-                             embed_dim=32, depth=2, num_heads=4, class_token=False, global_pool="avg")
+    return VisionTransformer(
+        img_size=(args.height, args.width),
+        patch_size=args.patch,
+        in_chans=3,
+        num_classes=4,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        class_token=False,
+        global_pool="avg",
+    )
+
+
 # --8<-- [end:models]
 
 
@@ -122,11 +142,24 @@ def main() -> None:
     # SGD for the check: the key bias of self-attention has a gradient of exactly zero in theory (a
     # softmax does not see a constant added to every score), and Adam would turn its rounding noise
     # (~1e-9) into full-size steps on both sides. Every first-step gradient is compared anyway.
-    report = verify_training(make_model, batches, layout, shard_dim=shard_dim, sizes=sizes, loss_fn=loss_fn,
-                             wrapper=wrapper, optimizer="sgd", lr=0.1, steps=3, rtol=1e-4)
+    report = verify_training(
+        make_model,
+        batches,
+        layout,
+        shard_dim=shard_dim,
+        sizes=sizes,
+        loss_fn=loss_fn,
+        wrapper=wrapper,
+        optimizer="sgd",
+        lr=0.1,
+        steps=3,
+        rtol=1e-4,
+    )
     if manager.rank == 0:
-        print(f"{args.model}: ranks {manager.world_size} ({manager.device.type}), ddp {layout.ddp_size}, "
-              f"domain split {sizes}")
+        print(
+            f"{args.model}: ranks {manager.world_size} ({manager.device.type}), ddp {layout.ddp_size}, "
+            f"domain split {sizes}"
+        )
         print(report.format())
 
     torch.manual_seed(0)

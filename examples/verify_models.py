@@ -21,8 +21,17 @@ def fno() -> nn.Module:
     """A 2-D Fourier neural operator: spectral convolutions need the FFT transposes."""
     from physicsnemo.models.fno import FNO
 
-    return FNO(in_channels=3, out_channels=2, decoder_layers=1, decoder_layer_size=32, dimension=2,
-               latent_channels=16, num_fno_layers=4, num_fno_modes=12, padding=0)
+    return FNO(
+        in_channels=3,
+        out_channels=2,
+        decoder_layers=1,
+        decoder_layer_size=32,
+        dimension=2,
+        latent_channels=16,
+        num_fno_layers=4,
+        num_fno_modes=12,
+        padding=0,
+    )
 
 
 def unet() -> nn.Module:
@@ -36,7 +45,21 @@ def transolver() -> tuple[nn.Module, list[torch.Tensor]]:
     """Transolver on 64 points: physics attention over slice tokens, points sharded."""
     from physicsnemo.models.transolver import Transolver
 
-    model = Transolver(structured_shape=None, n_layers=2, n_hidden=32, dropout=0.0, n_head=4, time_input=False,
-                       act="gelu", mlp_ratio=2, functional_dim=3, embedding_dim=5, out_dim=2, slice_num=8, ref=1,
-                       unified_pos=False, use_te=False)
+    model = Transolver(
+        structured_shape=None,
+        n_layers=2,
+        n_hidden=32,
+        dropout=0.0,
+        n_head=4,
+        time_input=False,
+        act="gelu",
+        mlp_ratio=2,
+        functional_dim=3,
+        embedding_dim=5,
+        out_dim=2,
+        slice_num=8,
+        ref=1,
+        unified_pos=False,
+        use_te=False,
+    )
     return model, [torch.randn(1, 64, 3), torch.randn(1, 64, 5)]

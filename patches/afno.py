@@ -104,7 +104,9 @@ def shard_aware_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, x, *args, **kwargs)
         return sharded_forward(self, x, *args, **kwargs)
 
-    forward.__doc__ = (original.__doc__ or "") + "\n\n(ShardTensor inputs: scratch buffers sharded, physicsnemo-shardext.)"
+    forward.__doc__ = (
+        original.__doc__ or ""
+    ) + "\n\n(ShardTensor inputs: scratch buffers sharded, physicsnemo-shardext.)"
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     forward.__name__ = getattr(original, "__name__", "forward")
     forward.__qualname__ = getattr(original, "__qualname__", "forward")

@@ -77,11 +77,10 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -149,9 +148,7 @@ def _starts(offsets: Sequence[int], total_out: int, anchor: Callable[[int], int]
     return starts
 
 
-def conv_row_plan(
-    sizes: Sequence[int], k: int, stride: int, dilation: int, pad_left: int, total_out: int
-) -> RowPlan:
+def conv_row_plan(sizes: Sequence[int], k: int, stride: int, dilation: int, pad_left: int, total_out: int) -> RowPlan:
     """Row plan of a convolution along one sharded dim.
 
     Examples:
@@ -160,8 +157,9 @@ def conv_row_plan(
         ([5, 3], (9, 10, 11, 12, 13, 14, 15, 16), (1, 0), (0, 0))
     """
     # Cached: a layer asks for the same plan every step, and building it walks every row.
-    return _conv_row_plan(tuple(int(s) for s in sizes), int(k), int(stride), int(dilation), int(pad_left),
-                          int(total_out))
+    return _conv_row_plan(
+        tuple(int(s) for s in sizes), int(k), int(stride), int(dilation), int(pad_left), int(total_out)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,8 +197,9 @@ def conv_transpose_row_plan(
         >>> plan.out_sizes(), plan.rows, plan.before, plan.after
         ([10, 8], ((0, 1, 2, 3, 4, 5), (5, 6, 7, 8)), (-1, -1), (-2, 0))
     """
-    return _conv_transpose_row_plan(tuple(int(s) for s in sizes), int(k), int(stride), int(dilation), int(padding),
-                                    int(total_out))
+    return _conv_transpose_row_plan(
+        tuple(int(s) for s in sizes), int(k), int(stride), int(dilation), int(padding), int(total_out)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -228,13 +227,22 @@ def _conv_transpose_row_plan(
 
 # -- argument handling ---------------------------------------------------------------------------
 # Mirrors of the C builtins' parameters (F.conv*d have no introspectable signature).
-def _conv(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-          groups: int = 1) -> None:
+def _conv(
+    input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1
+) -> None:
     """The parameters of ``F.conv1d/2d/3d``."""
 
 
-def _conv_transpose(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
-                    output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> None:
+def _conv_transpose(
+    input: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    output_padding: Any = 0,
+    groups: int = 1,
+    dilation: Any = 1,
+) -> None:
     """The parameters of ``F.conv_transpose1d/2d/3d``."""
 
 
@@ -407,7 +415,6 @@ def _local_conv_transpose(
     if bias is not None:  # in the conv's dtype, as autocast casts the bias of a fused conv
         out = out + bias.view([1, -1] + [1] * n).to(out.dtype)
     return out
-
 
 
 @hookimpl

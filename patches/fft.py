@@ -113,9 +113,18 @@ __all__ = ["FFT_FUNCTIONS", "FftCall", "distributed_fft", "parse_fft_call", "sha
 
 # name -> (kind, arity): kind is c2c forward/inverse, r2c or c2r; arity 1, 2 or n.
 FFT_FUNCTIONS: dict[str, tuple[str, str]] = {
-    "fft": ("fwd", "1"), "ifft": ("inv", "1"), "rfft": ("r2c", "1"), "irfft": ("c2r", "1"),
-    "fft2": ("fwd", "2"), "ifft2": ("inv", "2"), "rfft2": ("r2c", "2"), "irfft2": ("c2r", "2"),
-    "fftn": ("fwd", "n"), "ifftn": ("inv", "n"), "rfftn": ("r2c", "n"), "irfftn": ("c2r", "n"),
+    "fft": ("fwd", "1"),
+    "ifft": ("inv", "1"),
+    "rfft": ("r2c", "1"),
+    "irfft": ("c2r", "1"),
+    "fft2": ("fwd", "2"),
+    "ifft2": ("inv", "2"),
+    "rfft2": ("r2c", "2"),
+    "irfft2": ("c2r", "2"),
+    "fftn": ("fwd", "n"),
+    "ifftn": ("inv", "n"),
+    "rfftn": ("r2c", "n"),
+    "irfftn": ("c2r", "n"),
 }
 
 # (mesh id, mesh dim, dim counted from the end, dim length) -> split it had before a move.
@@ -328,7 +337,11 @@ def _move(local: torch.Tensor, layouts: dict[int, DimLayout], d: int, partner: i
 
 
 def _partner(
-    d: int, done: Sequence[int], todo: Sequence[int], layouts: dict[int, DimLayout], shape: torch.Size,
+    d: int,
+    done: Sequence[int],
+    todo: Sequence[int],
+    layouts: dict[int, DimLayout],
+    shape: torch.Size,
     dims: Sequence[int],
 ) -> int | None:
     """The dim to move ``d``'s shard to: a transformed dim, else an untouched local one, else a pending one."""
@@ -391,7 +404,6 @@ def distributed_fft(
         return sharded_fft(tensor, call)
     except _NoFreeDim:
         return delegate(func, types, args, kwargs)  # nothing to transpose onto: the fallback gathers
-
 
 
 @hookimpl

@@ -37,7 +37,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
@@ -100,6 +99,8 @@ def shardext_declare_patches(patches: PatchSet) -> None:
             if original is None:
                 continue
             patches.replace_attribute(
-                owner, attribute, refusing_distributed(original, f"{WARP_SEARCH}.{attribute}"),
+                owner,
+                attribute,
+                refusing_distributed(original, f"{WARP_SEARCH}.{attribute}"),
                 reason="FIGConvNet's warp radius search segfaults on a ShardTensor (wp.from_torch): refuse it by name",
             )

@@ -423,7 +423,6 @@ def sharded_diff(
     return from_local_like(out, x, sizes_by_tensor_dim={dim: out_sizes})
 
 
-
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare torch.gradient and torch.diff handlers."""

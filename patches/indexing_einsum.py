@@ -319,8 +319,7 @@ def sharded_setitem(
     updated = local_of(target).clone()
     updated[plan.local_index] = value_local
     layouts = sharded_dims(target)
-    new = build_shard_tensor(updated, mesh_of(target), placements_of(target),
-                             {d: l.sizes for d, l in layouts.items()})
+    new = build_shard_tensor(updated, mesh_of(target), placements_of(target), {d: l.sizes for d, l in layouts.items()})
     try:
         torch.utils.swap_tensors(target, new)
     except RuntimeError as why:
@@ -399,8 +398,11 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
         return local_of(value)
     # A replicated value of the region's global shape: keep this rank's rows. Each rank writes
     # (and so differentiates) only its rows, so the gradient is summed over the region's mesh dims.
-    value = sum_grad_over(replicated_local(value, "torch.Tensor.__setitem__: value"), mesh_of(target),
-                          sorted(set(plan.out_mesh_dims.values())))
+    value = sum_grad_over(
+        replicated_local(value, "torch.Tensor.__setitem__: value"),
+        mesh_of(target),
+        sorted(set(plan.out_mesh_dims.values())),
+    )
     index: list[Any] = [slice(None)] * value.ndim
     offset = value.ndim - region.ndim
     for out_dim, sizes in plan.out_sizes.items():
@@ -408,8 +410,9 @@ def _value_for_region(value: Any, target: ShardTensor, plan: IndexPlan, region: 
         if d < 0 or value.shape[d] == 1:
             continue  # broadcast
         if value.shape[d] != sum(sizes):
-            raise MissingShardPatch(f"torch.Tensor.__setitem__: value dim {d} has {value.shape[d]} rows, "
-                                    f"the region {sum(sizes)}")
+            raise MissingShardPatch(
+                f"torch.Tensor.__setitem__: value dim {d} has {value.shape[d]} rows, the region {sum(sizes)}"
+            )
         coord = mesh_of(target).get_coordinate()[plan.out_mesh_dims[out_dim]]
         start = sum(sizes[:coord])
         index[d] = slice(start, start + sizes[coord])
@@ -462,11 +465,13 @@ def replicated_add(
             a_layout = a_layouts[d]
             if a_layout.sizes != b_layout.sizes:
                 b_local = gather_global_indices(
-                    b_local, b_layout,
+                    b_local,
+                    b_layout,
                     lambda c, al=a_layout: range(al.offsets[c], al.offsets[c] + al.sizes[c]),
                 )
-        return build_shard_tensor(local_of(a) + b_local, mesh_of(a), placements_of(a),
-                                  {d: l.sizes for d, l in a_layouts.items()})
+        return build_shard_tensor(
+            local_of(a) + b_local, mesh_of(a), placements_of(a), {d: l.sizes for d, l in a_layouts.items()}
+        )
     # A replicated operand (promoted DTensor, Replicate ShardTensor, plain tensor) is cut to the shard's rows.
     result = elementwise_with_replicated(func, args, kwargs)
     return fallback(func, args, kwargs) if result is None else result
@@ -752,16 +757,37 @@ def sharded_matmul(
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare mode slicing, einsum and slice assignment on ShardTensors."""
-    patches.function(torch.Tensor.__getitem__, sharded_getitem,
-                     description="basic slicing on each rank's own rows (uneven result, no communication)")
-    patches.function(torch.Tensor.__setitem__, sharded_setitem,
-                     description="slice assignment into a ShardTensor by local writes; into a plain tensor by gathering")
+    patches.function(
+        torch.Tensor.__getitem__,
+        sharded_getitem,
+        description="basic slicing on each rank's own rows (uneven result, no communication)",
+    )
+    patches.function(
+        torch.Tensor.__setitem__,
+        sharded_setitem,
+        description="slice assignment into a ShardTensor by local writes; into a plain tensor by gathering",
+    )
     for target in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__):
-        patches.function(target, replicated_add,
-                         description="replicated full tensor + ShardTensor cut to the shard's own split; else fallback")
-    patches.function(torch.einsum, sharded_einsum,
-                     description="einsum on local blocks; replicated operands sliced, sharded contractions all-reduced")
-    for target in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
-                   torch.Tensor.bmm):
-        patches.function(target, sharded_matmul,
-                         description="matmul/bmm as the local-block einsum (uneven shards, sharded contractions)")
+        patches.function(
+            target,
+            replicated_add,
+            description="replicated full tensor + ShardTensor cut to the shard's own split; else fallback",
+        )
+    patches.function(
+        torch.einsum,
+        sharded_einsum,
+        description="einsum on local blocks; replicated operands sliced, sharded contractions all-reduced",
+    )
+    for target in (
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.Tensor.__rmatmul__,
+        torch.bmm,
+        torch.Tensor.bmm,
+    ):
+        patches.function(
+            target,
+            sharded_matmul,
+            description="matmul/bmm as the local-block einsum (uneven shards, sharded contractions)",
+        )

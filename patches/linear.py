@@ -111,7 +111,6 @@ def sharded_linear(
     return from_local_like(F.linear(local_of(x), weight, bias), x)
 
 
-
 def _embedding(
     input: Any,
     weight: Any,

@@ -98,9 +98,14 @@ from physicsnemo_shardext.primitives import (
 )
 
 __all__ = [
-    "class_loss", "elementwise_loss", "l1_loss_drops_weight", "l1_loss_keeping_weight", "local_extremum",
+    "class_loss",
+    "elementwise_loss",
+    "l1_loss_drops_weight",
+    "l1_loss_keeping_weight",
+    "local_extremum",
     "sharded_mean",
-    "sharded_norm", "sharded_variance",
+    "sharded_norm",
+    "sharded_variance",
 ]
 
 
@@ -143,8 +148,10 @@ def _loss_arguments(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 
 def _is_sharded_dtensor(value: Any) -> bool:
     """A DTensor (not a ShardTensor) with a non-Replicate placement: not a replicated operand."""
-    return isinstance(value, DTensor) and not isinstance(value, ShardTensor) and not all(
-        p.is_replicate() for p in value.placements
+    return (
+        isinstance(value, DTensor)
+        and not isinstance(value, ShardTensor)
+        and not all(p.is_replicate() for p in value.placements)
     )
 
 
@@ -266,9 +273,7 @@ def _target_dim(input_dim: int) -> int:
 
 
 @eager_handler
-def class_loss(
-    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def class_loss(func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``cross_entropy`` / ``nll_loss`` with the input sharded on a batch or spatial dim (not on classes).
 
     Examples:
@@ -345,13 +350,15 @@ def _class_output(local: torch.Tensor, x: ShardTensor) -> ShardTensor:
 
 # -- norms ---------------------------------------------------------------------------------
 # Mirrors of torch's C builtins (no introspectable signature), for ``bind_arguments``.
-def _vector_norm(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None,
-                 out: Any = None) -> None:
+def _vector_norm(
+    x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None, out: Any = None
+) -> None:
     """``torch.linalg.vector_norm``."""
 
 
-def _linalg_norm(input: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *, out: Any = None,
-                 dtype: Any = None) -> None:
+def _linalg_norm(
+    input: Any, ord: Any = None, dim: Any = None, keepdim: bool = False, *, out: Any = None, dtype: Any = None
+) -> None:
     """``torch.linalg.norm``."""
 
 
@@ -426,6 +433,7 @@ def sharded_norm(
 
 def _norm_output(local: torch.Tensor, x: ShardTensor, reduced: set[int], keepdim: bool) -> ShardTensor:
     """Reduced dims' mesh dims become Replicate; the other sharded dims keep their rows (renumbered)."""
+
     def new_dim(d: int) -> int:
         return d if keepdim else d - sum(1 for r in reduced if r < d)
 
@@ -471,8 +479,9 @@ def l1_loss_drops_weight() -> bool:
 _ORIGINAL_L1_LOSS = F.l1_loss
 
 
-def l1_loss_keeping_weight(input: Any, target: Any, size_average: Any = None, reduce: Any = None,
-                           reduction: str = "mean", weight: Any = None) -> Any:
+def l1_loss_keeping_weight(
+    input: Any, target: Any, size_average: Any = None, reduce: Any = None, reduction: str = "mean", weight: Any = None
+) -> Any:
     """``F.l1_loss`` that passes ``weight`` on to a tensor subclass's ``__torch_function__``.
 
     torch 2.14 drops it there, so a ShardTensor input silently lost its weights.
@@ -492,8 +501,14 @@ def l1_loss_keeping_weight(input: Any, target: Any, size_average: Any = None, re
     if torch.overrides.has_torch_function(relevant):
         extra = {} if weight is None else {"weight": weight}
         return torch.overrides.handle_torch_function(
-            _ORIGINAL_L1_LOSS, relevant, input, target,
-            size_average=size_average, reduce=reduce, reduction=reduction, **extra,
+            _ORIGINAL_L1_LOSS,
+            relevant,
+            input,
+            target,
+            size_average=size_average,
+            reduce=reduce,
+            reduction=reduction,
+            **extra,
         )
     return _ORIGINAL_L1_LOSS(input, target, size_average, reduce, reduction, weight=weight)
 
@@ -581,8 +596,12 @@ def _moment_arguments(
 
 
 _VARIANCE_OPS = {
-    torch.var: ("var", False), torch.Tensor.var: ("var", False), torch.std: ("std", False),
-    torch.Tensor.std: ("std", False), torch.var_mean: ("var", True), torch.std_mean: ("std", True),
+    torch.var: ("var", False),
+    torch.Tensor.var: ("var", False),
+    torch.std: ("std", False),
+    torch.Tensor.std: ("std", False),
+    torch.var_mean: ("var", True),
+    torch.std_mean: ("std", True),
 }
 
 
@@ -643,8 +662,9 @@ def sharded_variance(
     count = math.prod(x.shape[d] for d in reduced)
     mean = _global_sum(local, x, reduced) / count
     deviation = local - _mean_in_deviations(mean, x, reduced)
-    squares = _global_sum((deviation * deviation.conj()).real if local.is_complex() else deviation * deviation,
-                          x, reduced)
+    squares = _global_sum(
+        (deviation * deviation.conj()).real if local.is_complex() else deviation * deviation, x, reduced
+    )
     variance = squares / max(count - correction, 0)
     kind, with_mean = _VARIANCE_OPS[func]
     spread = variance.sqrt() if kind == "std" else variance
@@ -653,7 +673,6 @@ def sharded_variance(
 
 
 _NORMS: tuple[Callable[..., Any], ...] = (torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm)
-
 
 
 def _extremum(input: Any, dim: Any = (), keepdim: bool = False, *, out: Any = None) -> None:
@@ -698,24 +717,44 @@ def local_extremum(
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the loss and norm handlers."""
     for loss in _ELEMENTWISE:
-        patches.function(loss, elementwise_loss,
-                         description=f"{loss.__name__} on each rank's rows; sum/mean all-reduced to a Replicate scalar")
+        patches.function(
+            loss,
+            elementwise_loss,
+            description=f"{loss.__name__} on each rank's rows; sum/mean all-reduced to a Replicate scalar",
+        )
     for loss in _CLASS_LOSSES:
-        patches.function(loss, class_loss,
-                         description=f"{loss.__name__} on rows (class dim unsharded); mean by the global target weight")
+        patches.function(
+            loss,
+            class_loss,
+            description=f"{loss.__name__} on rows (class dim unsharded); mean by the global target weight",
+        )
     patches.replace_attribute(
-        F, "l1_loss", l1_loss_keeping_weight, applies=l1_loss_drops_weight,
+        F,
+        "l1_loss",
+        l1_loss_keeping_weight,
+        applies=l1_loss_drops_weight,
         reason="torch's F.l1_loss drops weight= when it dispatches to a tensor subclass",
     )
     for mean in (torch.mean, torch.Tensor.mean):
-        patches.function(mean, sharded_mean, override=True,
-                         description="mean over sharded dims: global sum / global count (no NaN on empty shards)")
+        patches.function(
+            mean,
+            sharded_mean,
+            override=True,
+            description="mean over sharded dims: global sum / global count (no NaN on empty shards)",
+        )
     for variance in _VARIANCE_OPS:
-        patches.function(variance, sharded_variance,
-                         description="var/std over sharded dims: all-reduced mean, then squared deviations")
+        patches.function(
+            variance,
+            sharded_variance,
+            description="var/std over sharded dims: all-reduced mean, then squared deviations",
+        )
     for extremum in _EXTREMA:
-        patches.function(extremum, local_extremum,
-                         description=f"{extremum.__name__} over unsharded dims on the local block (no communication)")
+        patches.function(
+            extremum,
+            local_extremum,
+            description=f"{extremum.__name__} over unsharded dims on the local block (no communication)",
+        )
     for norm in _NORMS:
-        patches.function(norm, sharded_norm,
-                         description="p-norm over sharded dims: local sum of |x|^p, one all-reduce, root")
+        patches.function(
+            norm, sharded_norm, description="p-norm over sharded dims: local sum of |x|^p, one all-reduce, root"
+        )

@@ -100,7 +100,6 @@ from physicsnemo_shardext.primitives import (
 __all__ = ["NORMALIZATION_TARGETS"]
 
 
-
 # -- plan: which mesh dims shard the reduced dims ------------------------------------------
 def _layouts(x: ShardTensor, op: str) -> dict[int, DimLayout]:
     """The sharded dims of a norm's input; ``Partial`` and nested sharding are refused."""
@@ -195,8 +194,12 @@ def _channel_view(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
 
 
 def _scale_and_shift(
-    local: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float,
-    weight: torch.Tensor | None, bias: torch.Tensor | None,
+    local: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)``, then the per-channel affine transform (local, no communication)."""
     y = (local - mean) * torch.rsqrt(var + eps)
@@ -208,9 +211,7 @@ def _scale_and_shift(
 
 
 # -- batch norm -----------------------------------------------------------------------------
-def _update_running(
-    running: torch.Tensor | None, value: torch.Tensor, momentum: float | None
-) -> None:
+def _update_running(running: torch.Tensor | None, value: torch.Tensor, momentum: float | None) -> None:
     if running is None:
         return
     with torch.no_grad():
@@ -250,8 +251,14 @@ def _grads_through(
 
 
 def _batch_norm_composed(
-    local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
-    mesh_dims: Sequence[int], dims: Sequence[int], count: int, eps: float,
+    local: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mesh: Any,
+    mesh_dims: Sequence[int],
+    dims: Sequence[int],
+    count: int,
+    eps: float,
 ) -> torch.Tensor:
     """Training batch norm from differentiable ops (what double backward differentiates)."""
     mean = all_reduce_sum(local.sum(dim=tuple(dims), keepdim=True), mesh, mesh_dims) / count
@@ -278,8 +285,15 @@ class _BatchNormTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
-        mesh_dims: tuple[int, ...], dims: tuple[int, ...], count: int, eps: float,
+        ctx: Any,
+        local: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        mesh: Any,
+        mesh_dims: tuple[int, ...],
+        dims: tuple[int, ...],
+        count: int,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mean = summed_over(local.sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
         centered = local - mean
@@ -301,6 +315,7 @@ class _BatchNormTrain(torch.autograd.Function):
         mesh, mesh_dims, dims, count, eps = ctx.plan
         nones = (None,) * 5
         if torch.is_grad_enabled():  # create_graph=True
+
             def composed() -> torch.Tensor:
                 return _batch_norm_composed(local, weight, bias, mesh, mesh_dims, dims, count, eps)
 
@@ -309,7 +324,8 @@ class _BatchNormTrain(torch.autograd.Function):
             x_hat = (local - mean).mul_(invstd)
             sums = summed_over(
                 torch.stack([grad.sum(dim=dims, keepdim=True), (grad * x_hat).sum(dim=dims, keepdim=True)]),
-                mesh, mesh_dims,
+                mesh,
+                mesh_dims,
             )
             sum_dy, sum_dy_x_hat = sums[0], sums[1]
             grad_input = None
@@ -317,7 +333,9 @@ class _BatchNormTrain(torch.autograd.Function):
                 scale = invstd if weight is None else invstd * _channel_view(weight, local.dim())
                 # (dy - mean(dy) - x_hat * mean(dy * x_hat)) * scale, in x_hat's storage: one block-sized buffer.
                 grad_input = x_hat.mul_(-sum_dy_x_hat / count).add_(grad).sub_(sum_dy / count).mul_(scale)
-            grad_weight = sum_dy_x_hat.reshape(-1).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+            grad_weight = (
+                sum_dy_x_hat.reshape(-1).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+            )
             grad_bias = sum_dy.reshape(-1).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return (grad_input, grad_weight, grad_bias, *nones)
 
@@ -335,7 +353,10 @@ def batch_norm_handler(
         # (rank < 2, eval without running statistics) come back.
         return delegate(func, types, args, kwargs)
     layouts = _channel_layouts(x, op, min_rank=2)
-    running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
+    running_mean, running_var = (
+        _buffer(a["running_mean"], op, "running_mean"),
+        _buffer(a["running_var"], op, "running_var"),
+    )
     local, eps, ndim = local_of(x), a["eps"], x.dim()
     if not a["training"]:
         if running_mean is None or running_var is None:
@@ -352,8 +373,14 @@ def batch_norm_handler(
     # exactly those that shard the input: the same sums complete the parameter gradients.
     weight, bias = _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias")
     y, mean, var = _BatchNormTrain.apply(
-        _opmath(local), weight, bias, mesh_of(x), tuple(_mesh_dims_sharding(layouts, dims, ndim)),
-        tuple(dims), count, eps,
+        _opmath(local),
+        weight,
+        bias,
+        mesh_of(x),
+        tuple(_mesh_dims_sharding(layouts, dims, ndim)),
+        tuple(dims),
+        count,
+        eps,
     )
     momentum = a["momentum"] if a["momentum"] is not None else 0.0
     _update_running(running_mean, mean.flatten(), momentum)
@@ -367,8 +394,15 @@ def _grouped_view(local: torch.Tensor, groups: int) -> tuple[int, ...]:
 
 
 def _channel_norm_composed(
-    local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
-    stat_mesh_dims: Sequence[int], param_mesh_dims: Sequence[int], groups: int, count: int, eps: float,
+    local: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mesh: Any,
+    stat_mesh_dims: Sequence[int],
+    param_mesh_dims: Sequence[int],
+    groups: int,
+    count: int,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group (instance) norm from differentiable ops: ``(output, mean, var)``, the statistics in the grouped view."""
     grouped = local.reshape(_grouped_view(local, groups))
@@ -395,8 +429,16 @@ class _GroupNormTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mesh: Any,
-        stat_mesh_dims: tuple[int, ...], param_mesh_dims: tuple[int, ...], groups: int, count: int, eps: float,
+        ctx: Any,
+        local: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        mesh: Any,
+        stat_mesh_dims: tuple[int, ...],
+        param_mesh_dims: tuple[int, ...],
+        groups: int,
+        count: int,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grouped = local.reshape(_grouped_view(local, groups))
         dims = tuple(range(2, grouped.dim()))
@@ -420,9 +462,11 @@ class _GroupNormTrain(torch.autograd.Function):
         mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps = ctx.plan
         nones = (None,) * 6
         if torch.is_grad_enabled():  # create_graph=True
+
             def composed() -> torch.Tensor:
                 return _channel_norm_composed(
-                    local, weight, bias, mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps)[0]
+                    local, weight, bias, mesh, stat_mesh_dims, param_mesh_dims, groups, count, eps
+                )[0]
 
             return (*_grads_through(composed, (local, weight, bias), grad), *nones)
         with profiled_range("shardext.group_norm.backward"):
@@ -473,7 +517,10 @@ def instance_norm_handler(
         # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors come back.
         return delegate(func, types, args, kwargs)
     layouts = _channel_layouts(x, op, min_rank=3)
-    running_mean, running_var = _buffer(a["running_mean"], op, "running_mean"), _buffer(a["running_var"], op, "running_var")
+    running_mean, running_var = (
+        _buffer(a["running_mean"], op, "running_mean"),
+        _buffer(a["running_var"], op, "running_var"),
+    )
     local, eps, ndim = local_of(x), a["eps"], x.dim()
     spatial = list(range(2, ndim))
     if a["use_input_stats"]:
@@ -481,9 +528,15 @@ def instance_norm_handler(
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got input size {tuple(x.shape)}")
         y, mean, var = _GroupNormTrain.apply(
-            _opmath(local), _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias"),
-            mesh_of(x), tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
-            x.shape[1], count, eps,
+            _opmath(local),
+            _raw_param(a["weight"], op, "weight"),
+            _raw_param(a["bias"], op, "bias"),
+            mesh_of(x),
+            tuple(_mesh_dims_sharding(layouts, spatial, ndim)),
+            tuple(sharding_mesh_dims(x)),
+            x.shape[1],
+            count,
+            eps,
         )
         if running_mean is not None or running_var is not None:
             # Running stats average the per-instance stats over the (possibly sharded) batch.
@@ -528,14 +581,22 @@ def group_norm_handler(
     layouts = _channel_layouts(x, op, min_rank=2)
     groups_n, n_channels = a["num_groups"], x.shape[1]
     if n_channels % groups_n:
-        raise ValueError(f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}")
+        raise ValueError(
+            f"Expected number of channels in input to be divisible by num_groups, got {tuple(x.shape)} and num_groups={groups_n}"
+        )
     local, ndim = local_of(x), x.dim()
     spatial = list(range(2, ndim))
     # Statistics over (channels in group, spatial) of the grouped view; the sharded ones are spatial.
     y = _GroupNormTrain.apply(
-        _opmath(local), _raw_param(a["weight"], op, "weight"), _raw_param(a["bias"], op, "bias"),
-        mesh_of(x), tuple(_mesh_dims_sharding(layouts, spatial, ndim)), tuple(sharding_mesh_dims(x)),
-        groups_n, (n_channels // groups_n) * _count(x, spatial), a["eps"],
+        _opmath(local),
+        _raw_param(a["weight"], op, "weight"),
+        _raw_param(a["bias"], op, "bias"),
+        mesh_of(x),
+        tuple(_mesh_dims_sharding(layouts, spatial, ndim)),
+        tuple(sharding_mesh_dims(x)),
+        groups_n,
+        (n_channels // groups_n) * _count(x, spatial),
+        a["eps"],
     )[0]
     return from_local_like(_as_input(y, local, "aten::group_norm"), x)
 
@@ -557,7 +618,7 @@ def _normalized_slice(
 def _trailing_norm(x: Any, normalized_shape: Sequence[int], op: str) -> tuple[dict[int, DimLayout], list[int], int]:
     layouts = _layouts(x, op)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if tuple(x.shape[x.dim() - len(shape):]) != shape:
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(f"{op}: normalized_shape {shape} does not match the input's trailing dims {tuple(x.shape)}")
     first = x.dim() - len(shape)
     return layouts, list(range(first, x.dim())), first

@@ -223,7 +223,6 @@ def sharded_pad(
     return from_local_like(local, x, sizes_by_tensor_dim=new_sizes)
 
 
-
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Replace PhysicsNeMo's F.pad patch (which refuses circular and mis-pads tiny boundary shards)."""

@@ -205,7 +205,8 @@ def prelu_local(
             "backward fails: no rule for aten._prelu_kernel_backward)"
         )
     require_shard_input(
-        func, x,
+        func,
+        x,
         why_partial="the DTensor fallback sums it right in the forward, but its backward fails: no rule for "
         "aten._prelu_kernel_backward",
     )
@@ -216,9 +217,18 @@ def prelu_local(
 #: Binary elementwise ops whose sharded x replicated form runs on local blocks (``add`` is
 #: the ``indexing_einsum`` family's, which also aligns two ShardTensors' splits).
 BINARY_WITH_REPLICATED: tuple[Callable[..., Any], ...] = (
-    torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
-    torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-    torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
+    torch.sub,
+    torch.Tensor.sub,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.mul,
+    torch.Tensor.mul,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.div,
+    torch.Tensor.div,
+    torch.Tensor.__truediv__,
+    torch.Tensor.__rtruediv__,
 )
 
 #: Comparisons: on a sharded tensor and a scalar the DTensor fallback infers the boolean result's
@@ -231,9 +241,18 @@ COMPARISONS: tuple[Callable[..., Any], ...] = tuple(
 
 #: Elementwise ops of several operands (sharded alike, or replicated) that run on local blocks the same way.
 ELEMENTWISE_WITH_REPLICATED: tuple[Callable[..., Any], ...] = (
-    torch.addcmul, torch.Tensor.addcmul, torch.addcdiv, torch.Tensor.addcdiv,
-    torch.lerp, torch.Tensor.lerp, torch.maximum, torch.Tensor.maximum, torch.minimum, torch.Tensor.minimum,
-    torch.where, torch.Tensor.where,
+    torch.addcmul,
+    torch.Tensor.addcmul,
+    torch.addcdiv,
+    torch.Tensor.addcdiv,
+    torch.lerp,
+    torch.Tensor.lerp,
+    torch.maximum,
+    torch.Tensor.maximum,
+    torch.minimum,
+    torch.Tensor.minimum,
+    torch.where,
+    torch.Tensor.where,
 )
 
 
@@ -278,8 +297,14 @@ def _with_scalars(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
 
 #: Dtype conversions: elementwise, so each rank converts its own block.
 CONVERSIONS: tuple[Callable[..., Any], ...] = (
-    torch.Tensor.type, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16,
-    torch.Tensor.long, torch.Tensor.int, torch.Tensor.bool,
+    torch.Tensor.type,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.long,
+    torch.Tensor.int,
+    torch.Tensor.bool,
 )
 
 
@@ -322,13 +347,15 @@ _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
         for op in BINARY_WITH_REPLICATED
     },
     **{
-        op: (binary_with_replicated, f"{describe_target(op)} of operands sharded alike and replicated ones on local rows")
+        op: (
+            binary_with_replicated,
+            f"{describe_target(op)} of operands sharded alike and replicated ones on local rows",
+        )
         for op in ELEMENTWISE_WITH_REPLICATED
     },
     **{op: (binary_with_replicated, f"{describe_target(op)} on local blocks (with scalars too)") for op in COMPARISONS},
     **{op: (local_conversion, f"{describe_target(op)}: dtype conversion of the local block") for op in CONVERSIONS},
 }
-
 
 
 @hookimpl

@@ -108,13 +108,23 @@ _INDEX_NONE = torch.iinfo(torch.int64).max  # "no candidate" in the global max t
 _BACKWARD_FAILS = "the DTensor fallback's backward fails: no sharding rule for its backward op"
 #: Pools whose delegate is wrong or fails on a Partial(sum) input (checked on 2 ranks); the others delegate.
 _PARTIAL_REFUSED: dict[Callable, str] = {
-    **{f: "the built-in max-pools each rank's term: the max of a partial sum is not the sum of the maxima"
-       for f in (F.max_pool1d, F.max_pool2d, F.max_pool3d)},
+    **{
+        f: "the built-in max-pools each rank's term: the max of a partial sum is not the sum of the maxima"
+        for f in (F.max_pool1d, F.max_pool2d, F.max_pool3d)
+    },
     F.max_pool3d_with_indices: _BACKWARD_FAILS,
     F.adaptive_avg_pool3d: _BACKWARD_FAILS,
-    **{f: _BACKWARD_FAILS for f in (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
-                                    F.adaptive_max_pool1d_with_indices, F.adaptive_max_pool2d_with_indices,
-                                    F.adaptive_max_pool3d_with_indices)},
+    **{
+        f: _BACKWARD_FAILS
+        for f in (
+            F.adaptive_max_pool1d,
+            F.adaptive_max_pool2d,
+            F.adaptive_max_pool3d,
+            F.adaptive_max_pool1d_with_indices,
+            F.adaptive_max_pool2d_with_indices,
+            F.adaptive_max_pool3d_with_indices,
+        )
+    },
 }
 
 
@@ -140,8 +150,9 @@ def _builtin_refuses_stride(a: dict[str, Any]) -> bool:
 
 # -- windows along one spatial dimension ----------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
-def _pool_ranges(sizes: tuple[int, ...], out: int, kernel: int, stride: int, padding: int,
-                 dilation: int) -> list[tuple[int, int]]:
+def _pool_ranges(
+    sizes: tuple[int, ...], out: int, kernel: int, stride: int, padding: int, dilation: int
+) -> list[tuple[int, int]]:
     """Output rows per coordinate: each goes to the owner of its window's centre row (clipped to the input).
 
     By the centre, as the convolution family does: the halo a rank fetches is then split
@@ -156,6 +167,8 @@ def _pool_ranges(sizes: tuple[int, ...], out: int, kernel: int, stride: int, pad
     centres = [min(max(j * stride - padding + dilation * (kernel - 1) // 2, 0), last) for j in range(out)]
     layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=tuple(sizes), coord=0, mesh=None)
     return split_rows_by_owner(layout, centres)
+
+
 @dataclass(frozen=True)
 class _Axis:
     """This rank's share of one spatial dim: output rows [j0, j1) and the input rows [lo, hi) they read."""
@@ -173,33 +186,53 @@ class _Axis:
         return self.j1 - self.j0
 
 
-def _fetch(local: torch.Tensor, axes: Sequence[_Axis], windows: Callable[[_Axis, int], tuple[int, int]]) -> torch.Tensor:
+def _fetch(
+    local: torch.Tensor, axes: Sequence[_Axis], windows: Callable[[_Axis, int], tuple[int, int]]
+) -> torch.Tensor:
     """Input rows [lo, hi) of every axis: exchanged along sharded dims, sliced along the others."""
     for axis in axes:
         if axis.layout is None:
             local = local.narrow(axis.dim, axis.lo, axis.hi - axis.lo)
         else:
             # Every rank along the mesh dim calls this (an empty window included): it is a collective.
-            local = gather_global_indices(
-                local, axis.layout, lambda c, a=axis: range(*windows(a, c))
-            )
+            local = gather_global_indices(local, axis.layout, lambda c, a=axis: range(*windows(a, c)))
     return local
 
 
 # -- max / avg pooling ------------------------------------------------------------------------------
 # Mirrors of the pools' parameters (most are C builtins or boolean dispatchers without a usable signature).
-def _max_pool(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
-              ceil_mode: bool = False, return_indices: bool = False) -> None:
+def _max_pool(
+    input: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> None:
     """The parameters of ``F.max_pool{1,2,3}d`` (and ``_with_indices``)."""
 
 
-def _avg_pool1d(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
-                count_include_pad: bool = True) -> None:
+def _avg_pool1d(
+    input: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+) -> None:
     """The parameters of ``F.avg_pool1d``."""
 
 
-def _avg_pool(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
-              count_include_pad: bool = True, divisor_override: int | None = None) -> None:
+def _avg_pool(
+    input: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> None:
     """The parameters of ``F.avg_pool2d/3d``."""
 
 
@@ -237,7 +270,9 @@ def _sum_pool(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int]) -> 
 
 
 def _global_flat_index(
-    local_index: torch.Tensor, block_shape: Sequence[int], to_global: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    local_index: torch.Tensor,
+    block_shape: Sequence[int],
+    to_global: Sequence[Callable[[torch.Tensor], torch.Tensor]],
     global_shape: Sequence[int],
 ) -> torch.Tensor:
     """Turn flat indices into a local block of spatial shape ``block_shape`` into global flat indices."""
@@ -258,9 +293,7 @@ def _can_delegate(x: ShardTensor, cfg: _PoolConfig, spatial: dict[int, DimLayout
         return False
     if any(p != 0 for p in cfg.padding) or any(d != 1 for d in cfg.dilation):
         return False
-    return all(
-        size % cfg.stride[d - (x.ndim - cfg.n)] == 0 for d, layout in spatial.items() for size in layout.sizes
-    )
+    return all(size % cfg.stride[d - (x.ndim - cfg.n)] == 0 for d, layout in spatial.items() for size in layout.sizes)
 
 
 @eager_handler
@@ -324,8 +357,9 @@ def pool_handler(
         if layout is None:
             j0, j1, out_sizes = 0, out, None
         else:
-            ranges_by_dim[d] = _pool_ranges(layout.sizes, out, cfg.kernel[i], cfg.stride[i], cfg.padding[i],
-                                            cfg.dilation[i])
+            ranges_by_dim[d] = _pool_ranges(
+                layout.sizes, out, cfg.kernel[i], cfg.stride[i], cfg.padding[i], cfg.dilation[i]
+            )
             j0, j1 = ranges_by_dim[d][layout.coord]
             out_sizes = tuple(b - a_ for a_, b in ranges_by_dim[d])
         lo, hi, _, _ = window(i, j0, j1)
@@ -347,7 +381,9 @@ def pool_handler(
         fill = float("-inf") if is_max else 0.0
         padded = F.pad(win, flat_pads, value=fill) if any(flat_pads) else win
         if is_max:
-            values, local_idx = _LOCAL_MAX[n](padded, cfg.kernel, cfg.stride, 0, cfg.dilation, False, return_indices=True)
+            values, local_idx = _LOCAL_MAX[n](
+                padded, cfg.kernel, cfg.stride, 0, cfg.dilation, False, return_indices=True
+            )
             if return_indices:
                 # Padded-window coordinate -> global input coordinate, per spatial dim.
                 shifts = [ax.lo - before for ax, (before, _) in zip(axes, pads)]
@@ -464,7 +500,7 @@ def adaptive_pool_handler(
     # kernel = stride = M computes them all with PyTorch's own reduction order and tie rule.
     fill = float("-inf") if is_max else 0.0
     blocks, block_len, block_rows = win, [], []
-    for i, ad in enumerate(dims):
+    for ad in dims:
         d, size, ax = ad.axis.dim, x.shape[ad.axis.dim], ad.axis
         if ad.is_global:
             rows = [list(range(win.shape[d]))]
@@ -504,7 +540,9 @@ def adaptive_pool_handler(
 
             return convert
 
-        indices = _global_flat_index(local_idx, blocks.shape[first:], [to_global(*r) for r in block_rows], x.shape[first:])
+        indices = _global_flat_index(
+            local_idx, blocks.shape[first:], [to_global(*r) for r in block_rows], x.shape[first:]
+        )
         indices = torch.where(indices < 0, torch.full_like(indices, _INDEX_NONE), indices)
     else:
         values = _sum_pool(blocks, block_len, block_len)
@@ -549,7 +587,9 @@ def _adaptive_divisor(x: ShardTensor, dims: Sequence[_AdaptiveAxis], like: torch
         if ad.is_global:
             counts = [size]
         else:
-            counts = [_adaptive_end(j, size, ad.out) - _adaptive_start(j, size, ad.out) for j in range(ad.axis.j0, ad.axis.j1)]
+            counts = [
+                _adaptive_end(j, size, ad.out) - _adaptive_start(j, size, ad.out) for j in range(ad.axis.j0, ad.axis.j1)
+            ]
         shape = [1] * n
         shape[i] = len(counts)
         vector = torch.tensor(counts, dtype=like.dtype, device=like.device).reshape(shape)
@@ -563,13 +603,16 @@ def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare the pooling handlers (overriding PhysicsNeMo's max/avg pooling built-ins)."""
     for target in (*_MAX_POOLS, *_AVG_POOLS):
         patches.function(
-            target, pool_handler, override=True,
+            target,
+            pool_handler,
+            override=True,
             description=f"{describe_target(target)}: any kernel/stride/padding on uneven shards (window-overlap rows only)",
         )
     for target in _MAX_POOLS_WITH_INDICES:
         patches.function(target, pool_handler, description=f"{describe_target(target)}: global flat indices")
     for target in (*_ADAPTIVE_AVG, *_ADAPTIVE_MAX, *_ADAPTIVE_MAX_WITH_INDICES):
         patches.function(
-            target, adaptive_pool_handler,
+            target,
+            adaptive_pool_handler,
             description=f"{describe_target(target)}: adaptive windows; output size 1 on a sharded dim all-reduces",
         )

@@ -77,7 +77,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from physicsnemo.domain_parallel import ShardTensor
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
@@ -209,7 +208,12 @@ def _nearest_rows(mode: str, in_size: int, out_size: int, scale: float | None, s
 
 
 def source_rows(
-    mode: str, in_size: int, out_size: int, scale: float | None, align_corners: bool, dtype: torch.dtype,
+    mode: str,
+    in_size: int,
+    out_size: int,
+    scale: float | None,
+    align_corners: bool,
+    dtype: torch.dtype,
     spatial_dims: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global source rows and weights of every output row, as PyTorch's CPU kernels compute them.
@@ -277,8 +281,15 @@ def cubic_source_rows(
     return rows, weights.to(dtype)
 
 
-def _taps(mode: str, in_size: int, out_size: int, scale: float | None, align_corners: bool,
-          dtype: torch.dtype, spatial_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _taps(
+    mode: str,
+    in_size: int,
+    out_size: int,
+    scale: float | None,
+    align_corners: bool,
+    dtype: torch.dtype,
+    spatial_dims: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Source rows ``(out, taps)`` and weights ``(out, taps)`` for any supported mode."""
     if mode == "bicubic":
         return cubic_source_rows(in_size, out_size, scale, align_corners, dtype)
@@ -291,16 +302,26 @@ def _taps(mode: str, in_size: int, out_size: int, scale: float | None, align_cor
 class _DimPlan(NamedTuple):
     """What one sharded dim's resampling needs besides the data; the same every step for one layer."""
 
-    copies: bool                       # every output row is its source row (weight 1): a plain copy
-    ranges: list[tuple[int, int]]      # output rows of each coordinate
-    wanted: list[range]                # input rows each coordinate fetches
+    copies: bool  # every output row is its source row (weight 1): a plain copy
+    ranges: list[tuple[int, int]]  # output rows of each coordinate
+    wanted: list[range]  # input rows each coordinate fetches
     taps: list[tuple[torch.Tensor, torch.Tensor | None]]  # this rank's (index into its window, weight) per tap
 
 
 @functools.lru_cache(maxsize=256)
-def _dim_plan(mode: str, sizes: tuple[int, ...], coord: int, out_size: int, scale: float | None,
-              align_corners: bool, dtype: torch.dtype, spatial_dims: int, d: int, ndim: int,
-              device: torch.device) -> _DimPlan:
+def _dim_plan(
+    mode: str,
+    sizes: tuple[int, ...],
+    coord: int,
+    out_size: int,
+    scale: float | None,
+    align_corners: bool,
+    dtype: torch.dtype,
+    spatial_dims: int,
+    d: int,
+    ndim: int,
+    device: torch.device,
+) -> _DimPlan:
     layout = DimLayout(tensor_dim=d, mesh_dim=0, sizes=sizes, coord=coord, mesh=None)
     rows, weights = _taps(mode, layout.total, out_size, scale, align_corners, dtype, spatial_dims)
     tap = 1 if mode == "bicubic" else 0
@@ -314,18 +335,31 @@ def _dim_plan(mode: str, sizes: tuple[int, ...], coord: int, out_size: int, scal
     base = wanted[coord].start if j1 > j0 else 0
     shape = [1] * ndim
     shape[d] = j1 - j0
-    taps = [((rows[j0:j1, k] - base).to(device),
-             None if mode in _NEAREST else weights[j0:j1, k].reshape(shape).to(device))
-            for k in range(rows.shape[1])]
+    taps = [
+        ((rows[j0:j1, k] - base).to(device), None if mode in _NEAREST else weights[j0:j1, k].reshape(shape).to(device))
+        for k in range(rows.shape[1])
+    ]
     return _DimPlan(copies, ranges, wanted, taps)
 
 
-def _resample_dim(local: torch.Tensor, layout: DimLayout, mode: str, out_size: int, scale: float | None,
-                  align_corners: bool) -> tuple[torch.Tensor, list[int]]:
+def _resample_dim(
+    local: torch.Tensor, layout: DimLayout, mode: str, out_size: int, scale: float | None, align_corners: bool
+) -> tuple[torch.Tensor, list[int]]:
     """Interpolate along one sharded dim; returns the local result and the output rows per coordinate."""
     d = layout.tensor_dim
-    plan = _dim_plan(mode, tuple(layout.sizes), layout.coord, out_size, scale, align_corners, local.dtype,
-                     local.ndim - 2, d, local.ndim, local.device)
+    plan = _dim_plan(
+        mode,
+        tuple(layout.sizes),
+        layout.coord,
+        out_size,
+        scale,
+        align_corners,
+        local.dtype,
+        local.ndim - 2,
+        d,
+        local.ndim,
+        local.device,
+    )
     if mode in ("nearest", "bicubic") and out_size == layout.total and not plan.copies:
         # PyTorch's nearest (1-D/3-D) and bicubic kernels move rows here, but their backward
         # copies them: no sharded result can match both, so refuse rather than pick one.
@@ -414,10 +448,13 @@ def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare pixel (un)shuffle and interpolate (overriding PhysicsNeMo's interpolate)."""
     patches.function(F.pixel_shuffle, pixel_shuffle_handler, description="pixel_shuffle: local on row/batch shards")
     patches.function(
-        F.pixel_unshuffle, pixel_unshuffle_handler,
+        F.pixel_unshuffle,
+        pixel_unshuffle_handler,
         description="pixel_unshuffle: groups of r rows regrouped to the owner of their first row",
     )
     patches.function(
-        F.interpolate, interpolate_handler, override=True,
+        F.interpolate,
+        interpolate_handler,
+        override=True,
         description="interpolate: global source coordinates; at most one neighbour row per boundary",
     )

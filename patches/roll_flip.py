@@ -216,7 +216,6 @@ def sharded_flip(
     return from_local_like(local, x)
 
 
-
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare roll and flip handlers."""

@@ -281,7 +281,6 @@ def sharded_cumsum(
     return from_local_like(summed, x)
 
 
-
 @hookimpl
 def shardext_declare_patches(patches: PatchSet) -> None:
     """Declare softmax-family and cumsum handlers."""

@@ -118,7 +118,9 @@ def _not_chunked(
 
 
 def _describe(current: DTensorSpec, local: torch.Tensor) -> str:
-    return f"placements {tuple(current.placements)}, global shape {tuple(current.shape)}, local shape {tuple(local.shape)}"
+    return (
+        f"placements {tuple(current.placements)}, global shape {tuple(current.shape)}, local shape {tuple(local.shape)}"
+    )
 
 
 def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -136,8 +138,9 @@ def guarded_redistribute(original: Callable[..., torch.Tensor]) -> Callable[...,
         ```
     """
 
-    def redistribute_local_tensor(local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec,
-                                  *args: Any, **kwargs: Any) -> torch.Tensor:
+    def redistribute_local_tensor(
+        local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         mismatches = chunk_mismatches(local_tensor, current_spec, target_spec)
         if not mismatches:
             return original(local_tensor, current_spec, target_spec, *args, **kwargs)

@@ -40,9 +40,11 @@ from collections.abc import Iterable, Iterator
 from importlib import metadata
 from typing import Any
 
-from physicsnemo_shardext.engine.baseline import builtin_handler, ensure_builtin_patches
 from physicsnemo_shardext.declarations import DispatchHandler, FunctionHandler, PatchDeclaration, PatchSet
-from physicsnemo_shardext.training.distributed import distributed_session, exit_rank, initialize, shutdown
+from physicsnemo_shardext.engine.baseline import builtin_handler, ensure_builtin_patches
+from physicsnemo_shardext.engine.loader import PluginLoader, resume_ready
+from physicsnemo_shardext.engine.provenance import InstalledPatch, PluginInfo, PluginReport
+from physicsnemo_shardext.engine.registry import PatchRegistry
 from physicsnemo_shardext.errors import (
     IncompatiblePluginError,
     InvalidPatchDeclaration,
@@ -54,13 +56,11 @@ from physicsnemo_shardext.errors import (
     ShardextWarning,
     UndeclaredPatchError,
 )
-from physicsnemo_shardext.engine.loader import PluginLoader, resume_ready
 from physicsnemo_shardext.markers import hookimpl
-from physicsnemo_shardext.engine.provenance import InstalledPatch, PluginInfo, PluginReport
-from physicsnemo_shardext.engine.registry import PatchRegistry
 from physicsnemo_shardext.settings import Settings
 from physicsnemo_shardext.shard_registries import AttributeTarget, PatchLevel, original_attribute
 from physicsnemo_shardext.targets import describe_target
+from physicsnemo_shardext.training.distributed import distributed_session, exit_rank, initialize, shutdown
 
 __all__ = [
     "AttributeTarget",

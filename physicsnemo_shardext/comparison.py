@@ -88,8 +88,7 @@ class Tolerance:
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 \
-                    or math.isinf(value):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or math.isinf(value):
                 raise ValueError(f"Tolerance.{name} must be a finite number >= 0, got {value!r}")
 
     @classmethod
@@ -103,8 +102,15 @@ class Tolerance:
             (Tolerance(rtol=0.05, atol=0.02), Tolerance(rtol=0.0, atol=0.0))
         """
         name = str(dtype).removeprefix("torch.")
-        name = {"complex128": "float64", "cdouble": "float64", "complex64": "float32", "cfloat": "float32",
-                "double": "float64", "float": "float32", "half": "float16"}.get(name, name)
+        name = {
+            "complex128": "float64",
+            "cdouble": "float64",
+            "complex64": "float32",
+            "cfloat": "float32",
+            "double": "float64",
+            "float": "float32",
+            "half": "float16",
+        }.get(name, name)
         return DEFAULT_TOLERANCES.get(name, cls(0.0, 0.0))
 
     def __str__(self) -> str:
@@ -167,8 +173,10 @@ class Comparison:
         if self.problem:
             return f"{self.problem}: {self.verdict}"
         tol = self.tolerance
-        text = (f"max abs err {self.max_abs_error:.1e} (atol {tol.atol:.0e}), "
-                f"max rel err {self.max_rel_error:.1e} (rtol {tol.rtol:.0e}")
+        text = (
+            f"max abs err {self.max_abs_error:.1e} (atol {tol.atol:.0e}), "
+            f"max rel err {self.max_rel_error:.1e} (rtol {tol.rtol:.0e}"
+        )
         if self.reference_scale < tol.atol and self.max_abs_error > 0:
             text += "; reference within atol of 0: relative to atol"
         text += ")"
@@ -185,8 +193,9 @@ def _failed(problem: str, tolerance: Tolerance, numel: int) -> Comparison:
     return Comparison(False, inf, inf, tolerance, None, inf, numel, numel, problem)
 
 
-def compare(actual: Tensor, expected: Tensor, tolerance: Tolerance | None = None, *,
-            check_dtype: bool = True) -> Comparison:
+def compare(
+    actual: Tensor, expected: Tensor, tolerance: Tolerance | None = None, *, check_dtype: bool = True
+) -> Comparison:
     """Compare ``actual`` with its reference ``expected`` by the rule of this module.
 
     Args:
@@ -223,19 +232,32 @@ def compare(actual: Tensor, expected: Tensor, tolerance: Tolerance | None = None
     outside = torch.where(finite, diff > allowed, ~same_nonfinite)
     mismatched = int(outside.sum())
     # Share of the allowance each element uses (an unmatched non-finite value: all of it and more).
-    ratio = torch.where(allowed > 0, diff / allowed.clamp_min(torch.finfo(torch.float64).tiny),
-                        torch.where(diff > 0, math.inf, 0.0))
+    ratio = torch.where(
+        allowed > 0, diff / allowed.clamp_min(torch.finfo(torch.float64).tiny), torch.where(diff > 0, math.inf, 0.0)
+    )
     ratio = torch.where(finite, ratio, torch.where(same_nonfinite, 0.0, math.inf))
     worst_flat = int(ratio.argmax())
     worst_ratio = float(ratio[worst_flat])
-    worst_index = None if worst_ratio == 0.0 else \
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(worst_flat), tuple(expected.shape)))
+    worst_index = (
+        None
+        if worst_ratio == 0.0
+        else tuple(int(i) for i in torch.unravel_index(torch.tensor(worst_flat), tuple(expected.shape)))
+    )
     max_abs = math.inf if bool((~finite & ~same_nonfinite).any()) else float(diff.max())
     finite_r = r[torch.isfinite(r)]
     scale = max(float(finite_r.abs().max()) if finite_r.numel() else 0.0, tolerance.atol)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    return Comparison(mismatched == 0, max_abs, max_rel, tolerance, worst_index, worst_ratio, mismatched, numel,
-                      reference_scale=float(finite_r.abs().max()) if finite_r.numel() else 0.0)
+    return Comparison(
+        mismatched == 0,
+        max_abs,
+        max_rel,
+        tolerance,
+        worst_index,
+        worst_ratio,
+        mismatched,
+        numel,
+        reference_scale=float(finite_r.abs().max()) if finite_r.numel() else 0.0,
+    )
 
 
 @contextlib.contextmanager
@@ -253,8 +275,11 @@ def exact_float32() -> Iterator[None]:
         ...     torch.backends.cudnn.allow_tf32
         False
     """
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -263,4 +288,3 @@ def exact_float32() -> Iterator[None]:
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
-

@@ -126,7 +126,11 @@ class PluginLoadError(ShardextError):
         self.stage = stage
         self.cause = cause
         # Say why an exit did not exit: the plugin author would otherwise expect it to.
-        note = "" if isinstance(cause, Exception) else " (a BaseException: contained, loading a plugin never ends the program)"
+        note = (
+            ""
+            if isinstance(cause, Exception)
+            else " (a BaseException: contained, loading a plugin never ends the program)"
+        )
         super().__init__(
             f"plugin {plugin!r} from {distribution}=={version} failed during {stage}: "
             f"{describe_exception(cause)}{note}{'; ' + detail if detail else ''}"
@@ -169,7 +173,9 @@ class PluginNameClash(ShardextError):
         "distributions a-dist and b-dist both publish a plugin named 'fast', so neither is loaded; keep one with SHARDEXT_DISABLE=a-dist or SHARDEXT_DISABLE=b-dist, or rename one entry point"
     """
 
-    def __init__(self, plugin: str, distributions: list[str], *, owner: str | None = None, owner_kind: str = "") -> None:
+    def __init__(
+        self, plugin: str, distributions: list[str], *, owner: str | None = None, owner_kind: str = ""
+    ) -> None:
         self.plugin = plugin
         self.distributions = sorted(distributions)
         self.owner = owner

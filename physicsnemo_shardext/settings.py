@@ -52,6 +52,7 @@ def current_name(name: str) -> str:
     """
     return RENAMED_PLUGINS.get(name, name)
 
+
 #: A plugin whose load (import and hooks) takes longer warns (``SHARDEXT_SLOW_PLUGIN_SECONDS``).
 DEFAULT_SLOW_PLUGIN_SECONDS = 1.0
 

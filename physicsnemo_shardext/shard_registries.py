@@ -64,7 +64,9 @@ REGISTRY_ATTRIBUTES: tuple[str, ...] = (
 
 # The dict objects ShardTensor held when this module was imported: PhysicsNeMo reads the
 # registries through the class, so a rebound attribute is put back to its original dict.
-_ORIGINAL_TABLES: dict[str, dict[Any, Callable[..., Any]]] = {name: getattr(ShardTensor, name) for name in REGISTRY_ATTRIBUTES}
+_ORIGINAL_TABLES: dict[str, dict[Any, Callable[..., Any]]] = {
+    name: getattr(ShardTensor, name) for name in REGISTRY_ATTRIBUTES
+}
 
 
 class PatchLevel(str, Enum):
@@ -261,8 +263,7 @@ def _items(name: str) -> tuple[tuple[Any, Callable[..., Any]], ...]:
 def snapshot() -> RegistrySnapshot:
     """Copy the four registries and the attributes currently replaced."""
     return RegistrySnapshot(
-        tables=tuple((name, _items(name)) for name in REGISTRY_ATTRIBUTES)
-        + (("attributes", _replaced_attributes()),),
+        tables=tuple((name, _items(name)) for name in REGISTRY_ATTRIBUTES) + (("attributes", _replaced_attributes()),),
         rebound=_rebound_tables(),
     )
 
@@ -340,7 +341,9 @@ def capture_slot(level: PatchLevel, target: Any) -> SlotState:
     if PatchLevel(level) is PatchLevel.ATTRIBUTE:
         _remember_original(target)
         return (target.own_value(), None)
-    by_name = ShardTensor._dispatch_registry_by_name.get(str(target)) if PatchLevel(level) is PatchLevel.DISPATCH else None
+    by_name = (
+        ShardTensor._dispatch_registry_by_name.get(str(target)) if PatchLevel(level) is PatchLevel.DISPATCH else None
+    )
     return (_table(level).get(target), by_name)
 
 

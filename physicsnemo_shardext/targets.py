@@ -267,9 +267,13 @@ def resolve_target(target: Any, level: PatchLevel) -> Any:
     """
     if level is PatchLevel.ATTRIBUTE:
         if not isinstance(target, AttributeTarget):
-            raise ValueError(f"attribute-level targets must be AttributeTarget(owner, name), got {type(target).__name__}")
+            raise ValueError(
+                f"attribute-level targets must be AttributeTarget(owner, name), got {type(target).__name__}"
+            )
         if not isinstance(target.owner, (type, types.ModuleType)):
-            raise ValueError(f"the owner of {target.name!r} must be a class or a module, got {type(target.owner).__name__}")
+            raise ValueError(
+                f"the owner of {target.name!r} must be a class or a module, got {type(target.owner).__name__}"
+            )
         if not hasattr(target.owner, target.name):
             raise ValueError(f"{target} does not exist (no attribute {target.name!r} on its owner)")
         return target
@@ -377,6 +381,5 @@ def validate_handler(handler: Any, level: PatchLevel, target: Any) -> None:
         else:
             expected = "handler(func, types, args, kwargs)"
         raise ValueError(
-            f"{level.value}-level handlers are called as {expected}; "
-            f"this one cannot take those arguments: {error}"
+            f"{level.value}-level handlers are called as {expected}; this one cannot take those arguments: {error}"
         ) from None

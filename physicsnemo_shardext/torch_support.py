@@ -87,7 +87,9 @@ def has_dtensor_strategy(op: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    tables = [getattr(propagator, name, None) for name in ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs")]
+    tables = [
+        getattr(propagator, name, None) for name in ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs")
+    ]
     return any(isinstance(table, dict) and op in table for table in tables)
 
 

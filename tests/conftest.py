@@ -54,7 +54,9 @@ def fresh_registry(pristine_registries: shard_registries.RegistrySnapshot) -> Pa
     return PatchRegistry()
 
 
-def run_python(code: str, env: dict[str, str] | None = None, path: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, env: dict[str, str] | None = None, path: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (import-time behaviour needs a new process)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDEXT_")}
     full_env.update(env or {})

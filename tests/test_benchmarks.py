@@ -13,13 +13,33 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def test_spectral_layer_benchmark_prints_both_variants_on_2_ranks():
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "spectral_layer.py"), "--nproc", "2", "--channels", "2", "--height", "16",
-         "--width", "12", "--modes", "3", "--repeats", "1"],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            str(BENCHMARKS / "spectral_layer.py"),
+            "--nproc",
+            "2",
+            "--channels",
+            "2",
+            "--height",
+            "16",
+            "--width",
+            "12",
+            "--modes",
+            "3",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "1x2x16x12 sharded over H, 2 ranks (cpu, gloo)" in result.stdout
-    rows = {(m.group(1), int(m.group(2))): m.group(0) for m in re.finditer(r"^\| (patched|fallback) \| (\d) \|.*$", result.stdout, re.M)}
+    rows = {
+        (m.group(1), int(m.group(2))): m.group(0)
+        for m in re.finditer(r"^\| (patched|fallback) \| (\d) \|.*$", result.stdout, re.M)
+    }
     assert set(rows) == {("patched", 0), ("patched", 1), ("fallback", 0), ("fallback", 1)}, result.stdout
     for rank in (0, 1):
         cells = [c.strip() for c in rows[("patched", rank)].strip("|").split("|")]
@@ -33,7 +53,10 @@ def _attention_benchmark(tmp_path: Path, *options: str) -> tuple[str, dict]:
     report = tmp_path / "attention.json"
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "attention.py"), *options, "--json", str(report)],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout, json.loads(report.read_text())
@@ -78,9 +101,26 @@ def test_runner_reports_every_ratio_and_the_exact_conv_halo_on_2_ranks(tmp_path)
     # exact at any size; memory needs the full size and is only checked for presence here.
     report_file, plots = tmp_path / "report.json", tmp_path / "plots"
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run.py"), "--families", "convolution,pointwise", "--ranks", "2",
-         "--size", "1x2x16x8", "--models", "none", "--json", str(report_file), "--plot", str(plots)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            str(BENCHMARKS / "run.py"),
+            "--families",
+            "convolution,pointwise",
+            "--ranks",
+            "2",
+            "--size",
+            "1x2x16x8",
+            "--models",
+            "none",
+            "--json",
+            str(report_file),
+            "--plot",
+            str(plots),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "[2/2] 2 ranks: pointwise done" in result.stderr  # progress on stderr (one line per task off a tty)
@@ -107,7 +147,9 @@ def test_runner_reports_every_ratio_and_the_exact_conv_halo_on_2_ranks(tmp_path)
     weights = (2 * 2 * 3 * 3 + 2) * 4
     conv = cases["convolution"]
     assert conv["forward"]["bound"] == [row, 0] and conv["forward"]["bytes"] == [row, 0]
-    assert conv["backward"]["bound"] == [weights, row + weights] and conv["backward"]["bytes"] == conv["backward"]["bound"]
+    assert (
+        conv["backward"]["bound"] == [weights, row + weights] and conv["backward"]["bytes"] == conv["backward"]["bound"]
+    )
     assert conv["forward"]["ratio"] == conv["backward"]["ratio"] == 1.0 and conv["goals"]["bytes"] is True
     pointwise = cases["pointwise"]
     assert pointwise["forward"]["bytes"] == pointwise["backward"]["bytes"] == [0, 0]
@@ -121,7 +163,10 @@ def test_pytest_startup_benchmark_compares_with_and_without_the_plugin(tmp_path)
     report_file = tmp_path / "startup.json"
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "pytest_startup.py"), "--repeats", "1", "--json", str(report_file)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     report = json.loads(report_file.read_text())

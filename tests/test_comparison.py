@@ -39,8 +39,9 @@ def test_the_relative_error_is_the_usual_one_where_the_reference_is_not_zero():
 def test_the_verdict_is_torch_isclose_elementwise(seed):
     generator = torch.Generator().manual_seed(seed)
     expected = torch.randn(7, 5, generator=generator) * 10 ** torch.randint(-8, 3, (7, 5), generator=generator)
-    actual = expected + torch.randn(7, 5, generator=generator) * 10 ** torch.randint(-9, -3, (7, 5),
-                                                                                    generator=generator)
+    actual = expected + torch.randn(7, 5, generator=generator) * 10 ** torch.randint(
+        -9, -3, (7, 5), generator=generator
+    )
     actual[0, 0], expected[0, 0] = float("nan"), float("nan")  # NaN matches NaN
     if seed % 2:
         actual[1, 1] = float("inf")  # ... but inf does not match a finite value

@@ -89,6 +89,7 @@ def test_replace_attribute_is_validated_and_can_be_not_applicable():
 
 # -- custom ops: one declaration, in any form, covers every call form -----------------------
 
+
 @torch.library.custom_op("shardext_test::declarations_affine", mutates_args=())
 def affine(x: torch.Tensor) -> torch.Tensor:
     """``2 x + 1``: pointwise, so a handler may run it on each rank's local block."""
@@ -163,8 +164,8 @@ def test_tie_on_a_custom_op_is_reported_once(fresh_registry):
 def test_handler_runs_for_every_call_form(domain_mesh, rank, registry_sandbox, form):
     from torch.distributed.tensor import Shard
 
-    from physicsnemo_shardext.primitives import from_local_like
     from physicsnemo_shardext.engine.provenance import PluginInfo
+    from physicsnemo_shardext.primitives import from_local_like
     from physicsnemo_shardext.testing import shard_tensor
 
     calls = []
@@ -217,8 +218,10 @@ def test_custom_ops_page_runs_on_two_ranks(domain_mesh):
     page_module("my_stencil.py")
     page_module("my_stencil_shard.py")
     test_module = types.ModuleType("test_my_stencil")
-    exec(compile(page_blocks()["test_my_stencil.py"], f"{CUSTOM_OPS_PAGE}:test_my_stencil.py", "exec"),
-         test_module.__dict__)
+    exec(
+        compile(page_blocks()["test_my_stencil.py"], f"{CUSTOM_OPS_PAGE}:test_my_stencil.py", "exec"),
+        test_module.__dict__,
+    )
     test_module.test_laplacian5_on_uneven_shards(domain_mesh)
 
 
@@ -229,6 +232,9 @@ def test_a_patch_steps_aside_outside_the_torch_range_it_is_needed_for():
     patches.function(torch.flip, handler, needed_on_torch=f"<{release}")  # a newer torch made it unnecessary
     assert [d.target_name for d in patches] == ["torch.roll"]
     ((target, why),) = patches.not_applicable
-    assert target == "torch.flip" and why == f"needed on torch<{release} only; torch {torch.__version__} handles it without"
+    assert (
+        target == "torch.flip"
+        and why == f"needed on torch<{release} only; torch {torch.__version__} handles it without"
+    )
     with pytest.raises(InvalidPatchDeclaration, match="not a version range"):
         patches.function(torch.cumsum, handler, needed_on_torch="before 2.15")

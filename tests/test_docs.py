@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import physicsnemo_shardext.hookspecs as hookspecs
-from physicsnemo_shardext.tools.cli import build_parser
 from physicsnemo_shardext.markers import PROJECT_NAME
 from physicsnemo_shardext.settings import ENVIRONMENT_VARIABLES
+from physicsnemo_shardext.tools.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = REPO_ROOT / "docs"
@@ -31,9 +31,7 @@ SPEC_ATTRIBUTE = f"{PROJECT_NAME}_spec"  # set by pluggy's HookspecMarker
 
 def _hookspec_names() -> list[str]:
     return sorted(
-        name
-        for name, member in inspect.getmembers(hookspecs, inspect.isfunction)
-        if hasattr(member, SPEC_ATTRIBUTE)
+        name for name, member in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(member, SPEC_ATTRIBUTE)
     )
 
 
@@ -66,9 +64,7 @@ def test_every_hook_has_a_reference_entry(hook: str) -> None:
 @pytest.mark.parametrize("variable", sorted(ENVIRONMENT_VARIABLES))
 def test_every_environment_variable_is_documented(variable: str) -> None:
     text = _page("reference/environment.md")
-    assert re.search(rf"\b{re.escape(variable)}\b", text), (
-        f"{variable} is missing from docs/reference/environment.md"
-    )
+    assert re.search(rf"\b{re.escape(variable)}\b", text), f"{variable} is missing from docs/reference/environment.md"
     row = re.compile(rf"^\|\s*`{re.escape(variable)}`\s*\|", re.MULTILINE)
     assert row.search(text), f"{variable} has no row in the table of docs/reference/environment.md"
 
@@ -89,6 +85,7 @@ def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
     # The docs extra is part of the test environment (.ci/setup): a missing one fails, never skips.
     import mkdocs  # noqa: F401
     import mkdocstrings  # noqa: F401
+
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

@@ -22,7 +22,18 @@ def test_pip_installed_copy_is_discovered_on_import(tmp_path, python_runner):
     pyproject.write_text(text)
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet", "--target", str(site), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--target",
+            str(site),
+            str(source),
+        ],
         check=True,
         capture_output=True,
         timeout=600,

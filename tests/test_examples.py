@@ -24,9 +24,23 @@ VERIFY_MODELS = EXAMPLES / "verify_models.py"
 @pytest.mark.parametrize(("ranks", "height", "expected_heights"), [(2, 33, "[17, 16]"), (3, 37, "[13, 13, 11]")])
 def test_domain_parallel_example_matches_single_process(ranks, height, expected_heights):
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(EXAMPLES / "domain_parallel_cpu.py"), "--height", str(height), "--steps", "2"],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(EXAMPLES / "domain_parallel_cpu.py"),
+            "--height",
+            str(height),
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert f"ranks {ranks} (cpu), shard heights {expected_heights}" in result.stdout
@@ -37,9 +51,19 @@ def test_domain_parallel_example_matches_single_process(ranks, height, expected_
 
 def test_minimal_example_from_getting_started():
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(EXAMPLES / "minimal_shardtensor.py")],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "minimal_shardtensor.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "rank 0: local rows (5, 16), matches single-process" in result.stdout
@@ -48,16 +72,31 @@ def test_minimal_example_from_getting_started():
 
 @pytest.mark.parametrize(
     ("options", "model", "heights", "plugins"),
-    [([], "fno", "[17, 16]", {"fft", "indexing_einsum", "layout_ops"}),
-     (["--model", "afno", "--height", "36"], "afno", "[20, 16]", {"fft", "indexing_einsum", "afno"})],
+    [
+        ([], "fno", "[17, 16]", {"fft", "indexing_einsum", "layout_ops"}),
+        (["--model", "afno", "--height", "36"], "afno", "[20, 16]", {"fft", "indexing_einsum", "afno"}),
+    ],
     ids=["fno", "afno"],
 )
 def test_fno_training_example_tracks_single_process(options, model, heights, plugins):
     """examples/fno_training_cpu.py trains PhysicsNeMo's FNO (defaults) or AFNO on 2 uneven ranks like one process."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(EXAMPLES / "fno_training_cpu.py"), "--steps", "6", *options],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "fno_training_cpu.py"),
+            "--steps",
+            "6",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert f"{model}: ranks 2 (cpu), shard heights {heights}" in result.stdout
@@ -71,16 +110,31 @@ def test_fno_training_example_tracks_single_process(options, model, heights, plu
 
 @pytest.mark.parametrize(
     ("ranks", "options", "header"),
-    [(2, ["--model", "vit"], "vit: ranks 2 (cpu), ddp 1, domain split [16, 16]"),
-     (4, ["--model", "lm", "--ddp", "2"], "lm: ranks 4 (cpu), ddp 2, domain split [50, 49]")],
+    [
+        (2, ["--model", "vit"], "vit: ranks 2 (cpu), ddp 1, domain split [16, 16]"),
+        (4, ["--model", "lm", "--ddp", "2"], "lm: ranks 4 (cpu), ddp 2, domain split [50, 49]"),
+    ],
     ids=["vit", "lm-ddp2"],
 )
 def test_transformer_example_verifies_and_trains(ranks, options, header):
     """examples/transformer_cpu.py (docs/transformers.md): the check against one process passes, then it trains."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(EXAMPLES / "transformer_cpu.py"), "--steps", "2", *options],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(EXAMPLES / "transformer_cpu.py"),
+            "--steps",
+            "2",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert header in result.stdout
@@ -103,8 +157,11 @@ def _factories() -> set[str]:
     spec = importlib.util.spec_from_file_location("verify_models_example", VERIFY_MODELS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {name for name, value in vars(module).items()
-            if callable(value) and not name.startswith("_") and getattr(value, "__module__", "") == module.__name__}
+    return {
+        name
+        for name, value in vars(module).items()
+        if callable(value) and not name.startswith("_") and getattr(value, "__module__", "") == module.__name__
+    }
 
 
 VERIFY_COMMANDS = _verify_commands()
@@ -131,10 +188,22 @@ def test_verify_models_example_matches(factory, tmp_path):
     # An --html page lands in tmp_path, not in the checkout.
     flags = [str(tmp_path / flag) if before == "--html" else flag for before, flag in zip(["", *flags], flags)]
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "physicsnemo_shardext", "verify", f"{VERIFY_MODELS}:{factory}", *flags,
-               "--json", str(report), "--no-progress"]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SHARDEXT_", "TORCHELASTIC_", "PYTEST_")) and k not in LAUNCHER}
+    command = [
+        sys.executable,
+        "-m",
+        "physicsnemo_shardext",
+        "verify",
+        f"{VERIFY_MODELS}:{factory}",
+        *flags,
+        "--json",
+        str(report),
+        "--no-progress",
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SHARDEXT_", "TORCHELASTIC_", "PYTEST_")) and k not in LAUNCHER
+    }
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "MATCH:" in result.stdout

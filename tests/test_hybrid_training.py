@@ -53,10 +53,25 @@ def _model_factory(model: str):
     from physicsnemo.models.fno import FNO
 
     if model == "afno":
-        return lambda: AFNO(inp_shape=[HEIGHT, WIDTH], in_channels=2, out_channels=1, patch_size=[PATCH, PATCH],
-                            embed_dim=8, depth=1, num_blocks=2)
-    return lambda: FNO(in_channels=2, out_channels=1, dimension=2, latent_channels=8, num_fno_layers=2,
-                       num_fno_modes=4, decoder_layers=1, decoder_layer_size=16)
+        return lambda: AFNO(
+            inp_shape=[HEIGHT, WIDTH],
+            in_channels=2,
+            out_channels=1,
+            patch_size=[PATCH, PATCH],
+            embed_dim=8,
+            depth=1,
+            num_blocks=2,
+        )
+    return lambda: FNO(
+        in_channels=2,
+        out_channels=1,
+        dimension=2,
+        latent_channels=8,
+        num_fno_layers=2,
+        num_fno_modes=4,
+        decoder_layers=1,
+        decoder_layer_size=16,
+    )
 
 
 def _sizes(model: str, domain: int) -> list[int]:
@@ -98,9 +113,19 @@ def test_smoke_matrix_cell_matches_single_process(model, cell, compiled, rank):
     ddp, domain, wrapper, train = CELLS[cell]
     layout = build_layout(ddp, domain)
     report = verify_training(
-        _model_factory(model), _batches(ddp, 3), layout, shard_dim=2, sizes=_sizes(model, domain), wrapper=wrapper,
+        _model_factory(model),
+        _batches(ddp, 3),
+        layout,
+        shard_dim=2,
+        sizes=_sizes(model, domain),
+        wrapper=wrapper,
         spatial_parameters=["pos_embed"] if (model == "afno" and wrapper == "fsdp2") else (),
-        steps=3, lr=1e-2, optimizer="sgd", compile=compiled, train=train, rtol=RTOL,
+        steps=3,
+        lr=1e-2,
+        optimizer="sgd",
+        compile=compiled,
+        train=train,
+        rtol=RTOL,
     )
     if os.environ.get("SHARDEXT_MATRIX_LOG") and rank == 0:  # the measured matrix, for the docs
         with open(os.environ["SHARDEXT_MATRIX_LOG"], "a") as log:
@@ -132,15 +157,32 @@ def test_two_samples_in_one_domain_group_are_refused(rank):
 
 def _torchrun(*options: str, ranks: int = 4) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(REPO / "examples" / "train_hybrid.py"), "--batches", "2", "--epochs", "1", *options],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(REPO / "examples" / "train_hybrid.py"),
+            "--batches",
+            "2",
+            "--epochs",
+            "1",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
 
 
-@pytest.mark.parametrize("options", [("--ddp", "2", "--wrapper", "ddp"),
-                                     ("--ddp", "2", "--wrapper", "fsdp2", "--model", "afno")],
-                         ids=["fno-ddp", "afno-fsdp2"])
+@pytest.mark.parametrize(
+    "options",
+    [("--ddp", "2", "--wrapper", "ddp"), ("--ddp", "2", "--wrapper", "fsdp2", "--model", "afno")],
+    ids=["fno-ddp", "afno-fsdp2"],
+)
 def test_example_script_trains_and_verifies(options):
     result = _torchrun(*options)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]

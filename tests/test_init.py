@@ -31,7 +31,9 @@ print(json.dumps({
 
 
 def installed_site(tmp_path):
-    write_plugin_distribution(tmp_path, "cumsum-dist", "2.0", {"cumsum-plugin": "cumsum_plugin"}, {"cumsum_plugin": PLUGIN})
+    write_plugin_distribution(
+        tmp_path, "cumsum-dist", "2.0", {"cumsum-plugin": "cumsum_plugin"}, {"cumsum_plugin": PLUGIN}
+    )
     write_plugin_distribution(tmp_path, "broken-dist", "0.1", {"broken": "broken_plugin"}, {"broken_plugin": BROKEN})
     return [str(tmp_path)]
 

@@ -16,8 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 LIMIT = 800
 
 #: Folders and files whose modules are counted.
-COUNTED = ("physicsnemo_shardext", "patches", "benchmarks", "examples", "entry_points",
-           "physicsnemo_shardext_cli.py", "physicsnemo_shardext_pytest.py")
+COUNTED = (
+    "physicsnemo_shardext",
+    "patches",
+    "benchmarks",
+    "examples",
+    "entry_points",
+    "physicsnemo_shardext_cli.py",
+    "physicsnemo_shardext_pytest.py",
+)
 
 #: Files allowed over `LIMIT`, relative to the repository root, with the reason.
 ALLOWED_LONGER: dict[str, str] = {}

@@ -40,7 +40,12 @@ def test_wheel_maps_patches_into_the_package_namespace(wheel):
     assert any(n.startswith("physicsnemo_shardext/tools/plugin-template/") and n.endswith(".tmpl") for n in names)
     top_level = {name.split("/")[0] for name in names}
     dist_info = next(n for n in top_level if n.endswith(".dist-info"))
-    assert top_level == {"physicsnemo_shardext", "physicsnemo_shardext_pytest.py", "physicsnemo_shardext_cli.py", dist_info}
+    assert top_level == {
+        "physicsnemo_shardext",
+        "physicsnemo_shardext_pytest.py",
+        "physicsnemo_shardext_cli.py",
+        dist_info,
+    }
     assert not any(name.startswith(("patches/", "tests/", "entry_points/", "examples/")) for name in names)
 
 
@@ -89,17 +94,36 @@ def test_pip_installs_the_wheel_beside_a_declared_torch_and_nothing_else(wheel, 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     (site,) = venv.glob("lib/python3*/site-packages")
-    for name, version in [("torch", torch_version), ("nvidia-physicsnemo", "2.2.2"), ("pluggy", "1.6.0"),
-                          ("packaging", "25.0")]:
+    for name, version in [
+        ("torch", torch_version),
+        ("nvidia-physicsnemo", "2.2.2"),
+        ("pluggy", "1.6.0"),
+        ("packaging", "25.0"),
+    ]:
         _fake_distribution(site, name, version)
     report = tmp_path / "report.json"
     no_constraints = tmp_path / "constraints.txt"  # this machine's pip configuration caps torch; users' has no cap
     no_constraints.write_text("")
     env = {**os.environ, "PIP_CONSTRAINT": str(no_constraints), "PIP_FIND_LINKS": ""}
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--dry-run", "--no-index",
-         "--report", str(report), wheel.filename],
-        capture_output=True, text=True, timeout=300, check=False, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--report",
+            str(report),
+            wheel.filename,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
     )
     if not accepted:  # with no index, pip cannot replace the torch it refuses
         assert result.returncode != 0 and "torch" in result.stderr, result.stderr

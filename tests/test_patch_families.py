@@ -70,7 +70,9 @@ NAV = _nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
 def _module_path(name: str) -> Path:
     """``patches/<name>.py``, or ``patches/<name>/__init__.py`` where the family is a package."""
     module = FAMILIES[name]
-    assert module.startswith(f"{PATCHES_PACKAGE}."), f"family {name}: entry point {module} is not under {PATCHES_PACKAGE}"
+    assert module.startswith(f"{PATCHES_PACKAGE}."), (
+        f"family {name}: entry point {module} is not under {PATCHES_PACKAGE}"
+    )
     base = REPO / "patches" / module.removeprefix(PATCHES_PACKAGE + ".").replace(".", "/")
     package = base / "__init__.py"
     return package if package.exists() else base.parent / f"{base.name}.py"
@@ -190,7 +192,11 @@ def test_family_imports_only_the_public_vocabulary(name):
 
 
 #: Modules of ``torch.distributed`` whose public names (their ``__all__``) are vocabulary types, not collectives.
-PUBLIC_DISTRIBUTED = ("torch.distributed.tensor", "torch.distributed.tensor.placement_types", "torch.distributed.device_mesh")
+PUBLIC_DISTRIBUTED = (
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.placement_types",
+    "torch.distributed.device_mesh",
+)
 
 #: family -> the DTensor internals it exists to patch (and must agree with), imported by name; each needs its reason.
 DTENSOR_INTERNALS: dict[str, set[tuple[str, str]]] = {
@@ -332,7 +338,9 @@ def test_family_states_the_physicsnemo_versions_it_relies_on(name):
 
     module = importlib.import_module(FAMILIES[name])
     hook = getattr(module, "shardext_requirements", None)
-    assert hook is not None, f"family {name}: missing shardext_requirements (import the shared one from the patches package)"
+    assert hook is not None, (
+        f"family {name}: missing shardext_requirements (import the shared one from the patches package)"
+    )
     assert hook().get(PHYSICSNEMO_DISTRIBUTION) == PHYSICSNEMO_REQUIREMENT, (
         f"family {name}: requires {hook()} instead of the shared {PHYSICSNEMO_DISTRIBUTION}{PHYSICSNEMO_REQUIREMENT}"
     )

@@ -101,8 +101,15 @@ def test_sandbox(registry_sandbox, pytestconfig):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:shardext", "-p", "physicsnemo_shardext.testing.pytest_plugin",
-        "--strict-markers", "-rs", timeout=300,
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:shardext",
+        "-p",
+        "physicsnemo_shardext.testing.pytest_plugin",
+        "--strict-markers",
+        "-rs",
+        timeout=300,
     )
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*multirank(2) test, but torchrun launched 3 ranks (WORLD_SIZE=3)*"])

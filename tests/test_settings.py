@@ -36,7 +36,9 @@ def test_every_variable_the_package_reads_has_a_help_string():
     sources = [*(package / "physicsnemo_shardext").rglob("*.py"), *(package / "patches").rglob("*.py")]
     named = {name for path in sources for name in re.findall(r"\bSHARDEXT_[A-Z][A-Z_]*\b", path.read_text())}
     assert named, "the scan found the variables"
-    assert named <= set(ENVIRONMENT_VARIABLES), f"read but without a help string: {sorted(named - set(ENVIRONMENT_VARIABLES))}"
+    assert named <= set(ENVIRONMENT_VARIABLES), (
+        f"read but without a help string: {sorted(named - set(ENVIRONMENT_VARIABLES))}"
+    )
     for variable, help_text in ENVIRONMENT_VARIABLES.items():
         assert len(help_text) > 20, f"{variable}: help string too short: {help_text!r}"
 

@@ -82,6 +82,7 @@ def test_dispatch_handler_signature_checked_against_schema():
 
 # -- custom ops: every form names one named-level slot ---------------------------------------
 
+
 @torch.library.custom_op("shardext_test::targets_scale", mutates_args=())
 def targets_scale(x: torch.Tensor) -> torch.Tensor:
     return 3 * x
@@ -126,7 +127,10 @@ def test_describe_custom_op_forms():
 
 
 def test_custom_op_at_dispatch_level_is_its_overload():
-    assert resolve_slot(targets_scale, "dispatch") == (PatchLevel.DISPATCH, torch.ops.shardext_test.targets_scale.default)
+    assert resolve_slot(targets_scale, "dispatch") == (
+        PatchLevel.DISPATCH,
+        torch.ops.shardext_test.targets_scale.default,
+    )
     with pytest.raises(ValueError, match="overload packet.*shardext_test.targets_scale.default"):
         resolve_slot(torch.ops.shardext_test.targets_scale, "dispatch")
 

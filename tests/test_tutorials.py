@@ -65,8 +65,9 @@ def test_delegating_override_on_two_ranks(domain_mesh):
         with pytest.raises(MissingShardPatch, match="circular"):
             F.pad(xs, (1, 1), mode="circular")
         # every other call reaches PhysicsNeMo's built-in, which pads correctly
-        check_conformance(lambda t: F.pad(t, (1, 2), value=0.5), [torch.randn(1, 2, 9, 4)],
-                          ShardSpec(domain_mesh, [Shard(2)], [5, 4]))
+        check_conformance(
+            lambda t: F.pad(t, (1, 2), value=0.5), [torch.randn(1, 2, 9, 4)], ShardSpec(domain_mesh, [Shard(2)], [5, 4])
+        )
 
 
 def test_listing_of_the_delegating_override_is_real_output(tmp_path):
@@ -78,15 +79,18 @@ def test_listing_of_the_delegating_override_is_real_output(tmp_path):
 
     from physicsnemo_shardext.testing.plugin_packages import write_plugin_distribution
 
-    write_plugin_distribution(tmp_path, "my-plugin", "0.1.0", {"my-pad": "my_plugin"},
-                              {"my_plugin": tutorial_blocks()["my_hooks.py"]})
+    write_plugin_distribution(
+        tmp_path, "my-plugin", "0.1.0", {"my-pad": "my_plugin"}, {"my_plugin": tutorial_blocks()["my_hooks.py"]}
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDEXT_")}
     env["PYTHONPATH"] = str(tmp_path)
     script = Path(sys.executable).with_name("shardext")
-    result = subprocess.run([str(script), "list", "--plugin", "my-pad"], capture_output=True, text=True, env=env,
-                            timeout=300)
+    result = subprocess.run(
+        [str(script), "list", "--plugin", "my-pad"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0, result.stderr
-    sample = re.search(r"<!-- output-of: shardext list --plugin my-pad -->\n```text\n(.*?)```",
-                       TUTORIAL.read_text(), re.DOTALL)
+    sample = re.search(
+        r"<!-- output-of: shardext list --plugin my-pad -->\n```text\n(.*?)```", TUTORIAL.read_text(), re.DOTALL
+    )
     assert sample, "the §4 sample output lost its <!-- output-of: ... --> marker"
     assert sample[1] == result.stdout, f"docs/writing-a-plugin.md §4 sample differs from:\n{result.stdout}"

@@ -132,7 +132,10 @@ from physicsnemo_shardext.patches.attention.ring import ring_attention_local
 from physicsnemo_shardext.patches.attention.sdpa import _NAME, replicated_query_attention, sharded_sdpa
 
 __all__ = [
-    "local_fused_sdpa", "replicated_query_attention", "ring_attention_local", "sharded_multi_head_attention",
+    "local_fused_sdpa",
+    "replicated_query_attention",
+    "ring_attention_local",
+    "sharded_multi_head_attention",
     "sharded_sdpa",
 ]
 

@@ -343,7 +343,9 @@ class _RingAttention(torch.autograd.Function):
         dq4 = torch.zeros_like(q4)
         dk, dv = torch.zeros_like(k, dtype=work), torch.zeros_like(v, dtype=work)
 
-        def contribute(kb: torch.Tensor, vb: torch.Tensor, offset: int, dk_into: torch.Tensor, dv_into: torch.Tensor) -> None:
+        def contribute(
+            kb: torch.Tensor, vb: torch.Tensor, offset: int, dk_into: torch.Tensor, dv_into: torch.Tensor
+        ) -> None:
             """Add this rank's dK/dV of a K/V chunk into ``dk_into``/``dv_into``; dQ (and dMask) accumulate here."""
             size = kb.shape[-2]
             if _skip_block(plan, offset, size):
@@ -352,7 +354,15 @@ class _RingAttention(torch.autograd.Function):
             for a, b in _query_chunks(plan, offset, chunks.q_rows):
                 bias = _block_scores(plan, mask, (a, b), offset, size, q4, q.shape[:-2])
                 dq_c, dk_c, dv_c, dscores = _chunk_grads(
-                    dout4[..., a:b, :], q4[..., a:b, :], kx, vx, out4[..., a:b, :], lse[..., a:b], bias, plan.scale, fused
+                    dout4[..., a:b, :],
+                    q4[..., a:b, :],
+                    kx,
+                    vx,
+                    out4[..., a:b, :],
+                    lse[..., a:b],
+                    bias,
+                    plan.scale,
+                    fused,
                 )
                 dq4[..., a:b, :].add_(dq_c)
                 dk_into.add_(_fold_heads(dk_c, rep).reshape(dk_into.shape))

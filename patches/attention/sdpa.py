@@ -250,15 +250,25 @@ def _replicated_query_sdpa(bound: dict[str, Any]) -> Any:
         else:
             mask_layouts = sharded_dims(mask) if isinstance(mask, ShardTensor) else {}
             own = mask_layouts.get(mask.ndim - 1)
-            if len(mask_layouts) != 1 or own is None or (own.mesh_dim, own.sizes) != (k_layout.mesh_dim, k_layout.sizes):
+            if (
+                len(mask_layouts) != 1
+                or own is None
+                or (own.mesh_dim, own.sizes) != (k_layout.mesh_dim, k_layout.sizes)
+            ):
                 return None
             local_mask = local_of(mask)
     # The query is used against each rank's keys only: its gradient is the sum over the ranks.
     q_local = sum_grad_over(replicated_local(q, f"{_NAME}: query"), mesh, mesh_dims)
     gqa_repeat = q.shape[-3] // k.shape[-3] if enable_gqa and q.ndim >= 3 else 1
     out = replicated_query_attention(
-        q_local, local_of(k), local_of(v), k_layout,
-        mask=local_mask, scale=bound["scale"], is_causal=is_causal, gqa_repeat=gqa_repeat,
+        q_local,
+        local_of(k),
+        local_of(v),
+        k_layout,
+        mask=local_mask,
+        scale=bound["scale"],
+        is_causal=is_causal,
+        gqa_repeat=gqa_repeat,
     )
     return build_shard_tensor(out, mesh, [Replicate()] * mesh.ndim, {})
 
@@ -284,8 +294,14 @@ def _batch_or_head_sdpa(func: Callable[..., Any], bound: dict[str, Any]) -> Any:
         if not handled:
             return None
     out = func(
-        local_of(q), local_of(k), local_of(v), attn_mask=local_mask, dropout_p=bound["dropout_p"],
-        is_causal=bool(bound["is_causal"]), scale=bound["scale"], enable_gqa=bool(bound["enable_gqa"]),
+        local_of(q),
+        local_of(k),
+        local_of(v),
+        attn_mask=local_mask,
+        dropout_p=bound["dropout_p"],
+        is_causal=bool(bound["is_causal"]),
+        scale=bound["scale"],
+        enable_gqa=bool(bound["enable_gqa"]),
     )
     if layout.local_size == 0 and local_mask is not None and local_mask.requires_grad:
         # An empty block: the kernel leaves the mask without a gradient, and its sum_grad_over

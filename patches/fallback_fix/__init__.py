@@ -95,8 +95,8 @@ Examples:
 from __future__ import annotations
 
 import torch  # noqa: F401 - the examples' tensors
-from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from torch.distributed.tensor import Shard  # noqa: F401 - the examples' placements
 
 from physicsnemo_shardext import PatchSet, hookimpl
@@ -167,12 +167,16 @@ def shardext_declare_patches(patches: PatchSet) -> None:
         applies=metadata_passthrough_applies,
     )
     patches.replace_attribute(
-        _OWNER, "setup_context", staticmethod(setup_context_naming_op),
+        _OWNER,
+        "setup_context",
+        staticmethod(setup_context_naming_op),
         reason="record which fallback op converted the input, so a second-order refusal names it",
     )
     for owner, name, replacement, what in SECOND_ORDER_BACKWARDS:
         patches.replace_attribute(
-            owner, name, staticmethod(replacement),
+            owner,
+            name,
+            staticmethod(replacement),
             reason=f"PhysicsNeMo 2.2's {what} backward re-wraps a raw local gradient, cutting the graph under "
             "create_graph=True (second-order gradients silently missing): keep it differentiable",
         )

@@ -15,15 +15,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map
 
 from physicsnemo_shardext import AttributeTarget, MissingShardPatch, describe_target, original_attribute
 from physicsnemo_shardext.primitives import placements_of, refuse_untracked_view_update, shard_shapes_of
 
-__all__ = ["fallback_without_partial_avg", "refusal_of_uneven_result", "refuse_partial_avg", "settle_replicated_operands"]
+__all__ = [
+    "fallback_without_partial_avg",
+    "refusal_of_uneven_result",
+    "refuse_partial_avg",
+    "settle_replicated_operands",
+]
 
 _FALLBACK = AttributeTarget(_shard_tensor_module, "_torch_function_fallback_via_dtensor")
 
@@ -115,11 +120,16 @@ def fallback_without_partial_avg(func: Callable, args: tuple, kwargs: dict | Non
     try:
         result = original(func, args, kwargs)
     except ValueError as error:
-        raise refusal_of_uneven_result(func, args, kwargs, error) or error
+        raise refusal_of_uneven_result(func, args, kwargs, error) or error  # noqa: B904 - the refusal chains itself; else the error as raised
     finally:
         _FALLBACK_OP.reset(token)
-    if (target is not None and result is not target and isinstance(result, ShardTensor) and torch.is_grad_enabled()
-            and (result.shape, result.dtype) == (target.shape, target.dtype)):
+    if (
+        target is not None
+        and result is not target
+        and isinstance(result, ShardTensor)
+        and torch.is_grad_enabled()
+        and (result.shape, result.dtype) == (target.shape, target.dtype)
+    ):
         result = _UpdatedInPlace.apply(target, result)
     return refuse_partial_avg(func, args, kwargs, result)
 
@@ -151,8 +161,22 @@ class _UpdatedInPlace(torch.autograd.Function):
 #: The augmented-assignment operators (``x += y``): in place, unlike other ``__i...__`` names
 #: (``__invert__`` is ``~x``, ``__index__``, ``__int__``, ``__iter__`` read only).
 _IN_PLACE_OPERATORS = frozenset(
-    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
-                            "lshift", "rshift")
+    f"__i{op}__"
+    for op in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+    )
 )
 
 
@@ -219,7 +243,9 @@ class _SettledGrad(torch.autograd.Function):
 
 def _needs_settling(value: Any) -> bool:
     return (
-        isinstance(value, DTensor) and not isinstance(value, ShardTensor) and value.requires_grad
+        isinstance(value, DTensor)
+        and not isinstance(value, ShardTensor)
+        and value.requires_grad
         and all(isinstance(p, Replicate) for p in value.placements)
     )
 

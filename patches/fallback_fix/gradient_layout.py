@@ -16,8 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from physicsnemo_shardext import AttributeTarget, MissingShardPatch, original_attribute
@@ -58,7 +58,9 @@ def fallback_backward_is_defective() -> bool:
 
 
 # -- the fixed backward ---------------------------------------------------------------------
-def _target_placements(input_placements: Sequence[Placement], grad_placements: Sequence[Placement]) -> tuple[Placement, ...]:
+def _target_placements(
+    input_placements: Sequence[Placement], grad_placements: Sequence[Placement]
+) -> tuple[Placement, ...]:
     """Input placements, except a Partial gradient over a mesh dim where the input was Replicate stays Partial.
 
     Where the input itself was ``Partial`` (a pending sum, e.g. Transolver's slice tokens, a
@@ -66,8 +68,10 @@ def _target_placements(input_placements: Sequence[Placement], grad_placements: S
     (or the gradient's own ``Partial``), never a redistribution *to* ``Partial``.
     """
     return tuple(
-        g if isinstance(g, Partial) and isinstance(p, (Replicate, Partial))
-        else Replicate() if isinstance(p, Partial)
+        g
+        if isinstance(g, Partial) and isinstance(p, (Replicate, Partial))
+        else Replicate()
+        if isinstance(p, Partial)
         else p
         for p, g in zip(input_placements, grad_placements)
     )
@@ -115,8 +119,9 @@ def grad_in_input_layout(grad_output: DTensor, spec: Any, op: str | None = None)
                 f"(create_graph=True) through a fallback that changed the layout ({grad_placements} -> "
                 f"{target}) are not supported; give the op a shard patch or compute this term on plain tensors"
             )
-        new_spec = dataclasses.replace(spec, placements=target, shard_order=None,
-                                       tensor_meta=tensor_meta_of(grad_output))
+        new_spec = dataclasses.replace(
+            spec, placements=target, shard_order=None, tensor_meta=tensor_meta_of(grad_output)
+        )
         return _shard_tensor_module._DTensorToShardTensor.apply(grad_output, new_spec)
     if same_layout:
         # Already the input's layout (the op ran locally): adopt the grad's own stride, as

@@ -20,13 +20,27 @@ _T = torch.Tensor
 #: What ``x.shape``, ``x.ndim``, ``x.dim()``, ``x.size()``... hand to ``__torch_function__``. The
 #: wrapper ShardTensor is built with the global shape, the local dtype and device, so these
 #: answer exactly what the DTensor the fallback would build answers.
-METADATA_GETTERS: frozenset[Any] = frozenset({
-    _T.shape.__get__, _T.ndim.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__,
-    _T.is_cuda.__get__, _T.dim, _T.ndimension, _T.size, _T.numel, _T.nelement,
-    _T.is_floating_point, _T.is_complex, _T.element_size,
-})
-PASSTHROUGH_WITH_METADATA: frozenset[Any] = frozenset(
-    getattr(ShardTensor, _PASSTHROUGH, frozenset())) | METADATA_GETTERS
+METADATA_GETTERS: frozenset[Any] = frozenset(
+    {
+        _T.shape.__get__,
+        _T.ndim.__get__,
+        _T.dtype.__get__,
+        _T.device.__get__,
+        _T.layout.__get__,
+        _T.is_cuda.__get__,
+        _T.dim,
+        _T.ndimension,
+        _T.size,
+        _T.numel,
+        _T.nelement,
+        _T.is_floating_point,
+        _T.is_complex,
+        _T.element_size,
+    }
+)
+PASSTHROUGH_WITH_METADATA: frozenset[Any] = (
+    frozenset(getattr(ShardTensor, _PASSTHROUGH, frozenset())) | METADATA_GETTERS
+)
 
 
 def metadata_passthrough_applies() -> bool:

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel._shard_redistribute import ShardRedistribute
 from physicsnemo.domain_parallel.custom_ops import _reductions
 from physicsnemo.domain_parallel.shard_utils.grad_ops import GradReducer
@@ -39,8 +39,13 @@ from physicsnemo_shardext.primitives import (
 )
 
 __all__ = [
-    "SECOND_ORDER_BACKWARDS", "grad_reducer_backward", "redistribute_backward", "setup_context_naming_op",
-    "to_dtensor_backward", "to_local_backward", "view_backward",
+    "SECOND_ORDER_BACKWARDS",
+    "grad_reducer_backward",
+    "redistribute_backward",
+    "setup_context_naming_op",
+    "to_dtensor_backward",
+    "to_local_backward",
+    "view_backward",
 ]
 
 

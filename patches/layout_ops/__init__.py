@@ -133,11 +133,22 @@ from physicsnemo_shardext.patches.layout_ops.views import (
 )
 
 __all__ = [
-    "cat_local", "clone_local", "complex_view_local", "flatten_local", "gather_dims", "like_local", "movedim_local",
+    "cat_local",
+    "clone_local",
+    "complex_view_local",
+    "flatten_local",
+    "gather_dims",
+    "like_local",
+    "movedim_local",
     "permute_local",
     "squeeze_local",
-    "reshape_merging_sharded_dims", "reshape_sharded", "split_local", "stack_local", "transpose_local",
-    "unbind_gathering_sharded_dim", "unflatten_local",
+    "reshape_merging_sharded_dims",
+    "reshape_sharded",
+    "split_local",
+    "stack_local",
+    "transpose_local",
+    "unbind_gathering_sharded_dim",
+    "unflatten_local",
 ]
 
 
@@ -184,8 +195,16 @@ def shardext_declare_patches(patches: PatchSet) -> None:
     for target, handler, description in _TARGETS:
         patches.function(target, handler, description=description)
     for target in (torch.Tensor.unbind, torch.unbind):  # PhysicsNeMo's raises RuntimeError on a sharded dim
-        patches.function(target, unbind_gathering_sharded_dim, override=True,
-                         description="unbind along a sharded dim: gather it (Replicate pieces), else the built-in")
+        patches.function(
+            target,
+            unbind_gathering_sharded_dim,
+            override=True,
+            description="unbind along a sharded dim: gather it (Replicate pieces), else the built-in",
+        )
     for target in (torch.Tensor.reshape, torch.reshape, torch.Tensor.view):
-        patches.function(target, reshape_merging_sharded_dims, override=True,
-                         description="reshape merging two sharded dims: gather the inner one, then the built-in")
+        patches.function(
+            target,
+            reshape_merging_sharded_dims,
+            override=True,
+            description="reshape merging two sharded dims: gather the inner one, then the built-in",
+        )

@@ -107,8 +107,7 @@ def _rows_like(x: ShardTensor, like: ShardTensor) -> ShardTensor:
     """
     if x is not like and mesh_of(x) == mesh_of(like):
         x = _cut_replicated_mesh_dims(x, like)
-    if (x is like or mesh_of(x) != mesh_of(like)
-            or placements_of(x) != placements_of(like)):
+    if x is like or mesh_of(x) != mesh_of(like) or placements_of(x) != placements_of(like):
         return x
     layouts, wanted = sharded_dims(x), _row_counts(like)
     if set(layouts) != set(wanted) or all(layouts[d].sizes == wanted[d] for d in layouts):
@@ -133,8 +132,11 @@ def _cut_replicated_mesh_dims(x: ShardTensor, like: ShardTensor) -> ShardTensor:
     if len(own) != len(wanted) or own == wanted:
         return x
     sharded = {p.dim % x.ndim for p in own if isinstance(p, Shard)}
-    cut = [i for i, (p, q) in enumerate(zip(own, wanted))
-           if isinstance(p, Replicate) and isinstance(q, Shard) and q.dim % x.ndim not in sharded]
+    cut = [
+        i
+        for i, (p, q) in enumerate(zip(own, wanted))
+        if isinstance(p, Replicate) and isinstance(q, Shard) and q.dim % x.ndim not in sharded
+    ]
     if not cut or any(p != q for i, (p, q) in enumerate(zip(own, wanted)) if i not in cut):
         return x
     if any(x.shape[wanted[i].dim % x.ndim] != like.shape[wanted[i].dim % x.ndim] for i in cut):
@@ -179,9 +181,7 @@ def cat_local(
         # A plain DTensor sharded DTensor's way (even chunks, e.g. FLARE's positional buffer) is
         # gathered first (differentiably), since its chunks need not line up with uneven shards.
         tensors = [
-            t if isinstance(t, ShardTensor)
-            else _replicated_rows(_gathered(t), reference, func)
-            for t in tensors
+            t if isinstance(t, ShardTensor) else _replicated_rows(_gathered(t), reference, func) for t in tensors
         ]
         args, kwargs = (tensors, dim), {}
     tensors, dim = _identical_shard_inputs(func, args, kwargs, "concatenation")
@@ -221,7 +221,8 @@ def _delegate_differently_sharded(tensors: Sequence[Any], plain_too: bool = Fals
 def _identically_sharded(tensors: Sequence[ShardTensor]) -> bool:
     first = tensors[0]
     return all(
-        mesh_of(t) == mesh_of(first) and placements_of(t) == placements_of(first)
+        mesh_of(t) == mesh_of(first)
+        and placements_of(t) == placements_of(first)
         and _row_counts(t) == _row_counts(first)
         for t in tensors[1:]
     )
@@ -238,8 +239,10 @@ def _dtensor_chunks(t: ShardTensor) -> bool:
 
 def _gathered(value: Any) -> Any:
     """A plain DTensor with ``Shard`` placements as a full plain tensor (differentiable all-gather); else ``value``."""
-    if isinstance(value, DTensor) and not isinstance(value, ShardTensor) and not all(
-        p.is_replicate() for p in value.placements
+    if (
+        isinstance(value, DTensor)
+        and not isinstance(value, ShardTensor)
+        and not all(p.is_replicate() for p in value.placements)
     ):
         return value.full_tensor()
     return value
@@ -282,8 +285,10 @@ def stack_local(
     if any(t.shape != first.shape for t in tensors[1:]):
         return delegate(func, types, args, kwargs)  # torch's own error: stack expects each tensor to be equal size
     dim %= first.ndim + 1
-    new_placements = [Shard(p.dim % first.ndim + (p.dim % first.ndim >= dim)) if isinstance(p, Shard) else p
-                      for p in placements_of(first)]
+    new_placements = [
+        Shard(p.dim % first.ndim + (p.dim % first.ndim >= dim)) if isinstance(p, Shard) else p
+        for p in placements_of(first)
+    ]
     sizes = {d + (d >= dim): n for d, n in _row_counts(first).items()}
     local = torch.stack([local_of(t) for t in tensors], dim=dim)
     return build_shard_tensor(local, mesh_of(first), new_placements, sizes)

@@ -52,8 +52,17 @@ from physicsnemo_shardext.primitives import (
 )
 
 __all__ = [
-    "clone_local", "complex_view_local", "flatten_local", "gather_dims", "like_local", "movedim_local",
-    "permute_local", "reshape_merging_sharded_dims", "reshape_sharded", "squeeze_local", "transpose_local",
+    "clone_local",
+    "complex_view_local",
+    "flatten_local",
+    "gather_dims",
+    "like_local",
+    "movedim_local",
+    "permute_local",
+    "reshape_merging_sharded_dims",
+    "reshape_sharded",
+    "squeeze_local",
+    "transpose_local",
     "unflatten_local",
 ]
 
@@ -169,7 +178,11 @@ def movedim_local(
     destination = kwargs.get("destination", rest[1] if len(rest) > 1 else None)
     sources = [int(d) % x.ndim for d in ([source] if isinstance(source, int) else source)]
     destinations = [int(d) % x.ndim for d in ([destination] if isinstance(destination, int) else destination)]
-    if len(sources) != len(destinations) or len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
+    if (
+        len(sources) != len(destinations)
+        or len(set(sources)) != len(sources)
+        or len(set(destinations)) != len(destinations)
+    ):
         return delegate(func, types, args, kwargs)  # torch's own error
     order: list[int | None] = [None] * x.ndim
     for old, new in zip(sources, destinations):
@@ -432,7 +445,7 @@ def reshape_sharded(func: Any, x: ShardTensor, new_shape: Sequence[int]) -> Shar
             before = list(range(old[0], head))
             raise MissingShardPatch(
                 f"{describe_target(func)}{tuple(x.shape)} -> {tuple(new_shape)}: merges sharded dim {head} with dims "
-                f"{before} in front of it (sizes {tuple(x.shape[old[0]:head])}); each rank's rows would interleave "
+                f"{before} in front of it (sizes {tuple(x.shape[old[0] : head])}); each rank's rows would interleave "
                 f"across ranks in the merged dim (dim 0 holds {x.shape[0]} samples: a batch of more than one sample "
                 "per domain group, e.g. FNO's decoder or Swin's window partition with B > 1). Use one sample per "
                 "domain group, or move the sharded dim first (permute)"
@@ -554,9 +567,7 @@ def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:
 
 
 @eager_handler
-def like_local(
-    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def like_local(func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``zeros_like`` / ``ones_like`` / ``empty_like`` / ``full_like`` of a ShardTensor: the same shards, locally.
 
     Any ``dtype`` included: ``nn.MultiheadAttention`` turns a bool padding mask into a float one

@@ -173,7 +173,12 @@ ALIAS_PAIRS: tuple[tuple[str, str, bool], ...] = (
 
 #: Namespaces whose docstrings are searched for "Alias for ..." (and whose names are public).
 _DOC_NAMESPACES: tuple[str, ...] = (
-    "torch", "torch.Tensor", "torch.nn.functional", "torch.special", "torch.linalg", "torch.fft",
+    "torch",
+    "torch.Tensor",
+    "torch.nn.functional",
+    "torch.special",
+    "torch.linalg",
+    "torch.fft",
 )
 _ALIAS_DOC = re.compile(r"Alias (?:for|of)\s+:(?:func|meth):`~?([\w.]+)`")
 
@@ -307,8 +312,11 @@ def _op_db_pairs() -> dict[tuple[str, str], bool]:
         for alias in info.aliases:
             # An alias listed for one variant of an op only (max "binary": maximum) stands for that form alone.
             both_ways = all(alias.name in names for names in names_by_op[info.op])
-            forms = ((info.op, alias.op), (info.method_variant, alias.method_variant),
-                     (info.inplace_variant, alias.inplace_variant))
+            forms = (
+                (info.op, alias.op),
+                (info.method_variant, alias.method_variant),
+                (info.inplace_variant, alias.inplace_variant),
+            )
             for source, target in forms:
                 source_name, target_name = _public_name(source), _public_name(target)
                 if source_name and target_name and source is not target:
@@ -334,12 +342,15 @@ def _docstring_pairs() -> dict[tuple[str, str], bool]:
             match = _ALIAS_DOC.search(doc) if callable(obj) and isinstance(doc, str) else None
             if match is None:
                 continue
-            if doc[match.end():].lstrip().startswith("with"):
+            if doc[match.end() :].lstrip().startswith("with"):
                 continue  # "Alias for torch.diagonal with defaults dim1=-2, dim2=-1": another call convention
             named = match.group(1)
             if not named.startswith("torch."):
-                named = f"torch.Tensor.{named.removeprefix('Tensor.')}" if namespace_name == "torch.Tensor" \
+                named = (
+                    f"torch.Tensor.{named.removeprefix('Tensor.')}"
+                    if namespace_name == "torch.Tensor"
                     else f"torch.{named}"
+                )
             source_name, alias_name = _public_name(_resolve(named)), _public_name(obj)
             if source_name and alias_name and source_name != alias_name:
                 pairs[(source_name, alias_name)] = True

@@ -105,8 +105,9 @@ def _add_to_baseline(slots: LateSlots) -> None:
     for table, key in slots:
         handler = getattr(ShardTensor, table)[key]
         tables[table][key] = _late[(table, key)] = handler
-    _baseline = RegistrySnapshot(tables=tuple((name, tuple(items.items())) for name, items in tables.items()),
-                                 rebound=_baseline.rebound)
+    _baseline = RegistrySnapshot(
+        tables=tuple((name, tuple(items.items())) for name, items in tables.items()), rebound=_baseline.rebound
+    )
 
 
 def late_builtins() -> dict[tuple[str, Any], Callable[..., Any]]:

@@ -13,44 +13,18 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
-import os
-import re
-import sys
-import threading
-import time
-import warnings
-from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib import metadata
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-import pluggy
-
-from physicsnemo_shardext import hookspecs, shard_registries
-from physicsnemo_shardext.engine.baseline import is_late_builtin
-from physicsnemo_shardext.declarations import PatchSet
+from physicsnemo_shardext import hookspecs
+from physicsnemo_shardext.engine.provenance import PluginInfo
 from physicsnemo_shardext.errors import (
-    IncompatiblePluginError,
-    PatchConflictError,
-    PluginHookError,
-    PluginLoadError,
-    PluginNameClash,
-    ReentrantLoadError,
-    ShardextWarning,
     UndeclaredPatchError,
-    is_user_interrupt,
 )
-from physicsnemo_shardext.engine.import_hooks import call_after_import
-from physicsnemo_shardext.markers import DISTRIBUTION_NAME, PROJECT_NAME
-from physicsnemo_shardext.engine.provenance import LoadStatus, PluginInfo, PluginReport
-from physicsnemo_shardext.engine.registry import PatchRegistry
-from physicsnemo_shardext.engine.requirements import incompatibility
-from physicsnemo_shardext.settings import Settings
-from physicsnemo_shardext.shard_registries import RegistryChange, RegistrySnapshot
+from physicsnemo_shardext.markers import PROJECT_NAME
+from physicsnemo_shardext.shard_registries import RegistryChange
 from physicsnemo_shardext.targets import describe_handler, describe_target
 
 __all__ = [
@@ -143,7 +117,11 @@ def unmarked_hooks(plugin: Any) -> list[tuple[str, str]]:
     for name in _attribute_names(plugin):
         if not name.startswith(_HOOK_PREFIX):
             continue
-        hook = name if name in HOOK_NAMES else next(iter(difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)), None)
+        hook = (
+            name
+            if name in HOOK_NAMES
+            else next(iter(difflib.get_close_matches(name, HOOK_NAMES, n=1, cutoff=0.8)), None)
+        )
         if hook is None:
             continue
         try:

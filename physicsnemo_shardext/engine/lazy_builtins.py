@@ -66,10 +66,12 @@ class DeferredHandler:
 
 _NAMED: dict[str, DeferredHandler] = {
     "physicsnemo.knn_cuml.default": DeferredHandler(f"{_SHARD_UTILS}.knn", "knn_sharded_wrapper"),
-    "physicsnemo.radius_search_warp.default": DeferredHandler(f"{_SHARD_UTILS}.point_cloud_ops",
-                                                              "radius_search_wrapper"),
-    "physicsnemo.signed_distance_field.default": DeferredHandler(f"{_SHARD_UTILS}.mesh_ops",
-                                                                 "sharded_signed_distance_field_wrapper"),
+    "physicsnemo.radius_search_warp.default": DeferredHandler(
+        f"{_SHARD_UTILS}.point_cloud_ops", "radius_search_wrapper"
+    ),
+    "physicsnemo.signed_distance_field.default": DeferredHandler(
+        f"{_SHARD_UTILS}.mesh_ops", "sharded_signed_distance_field_wrapper"
+    ),
 }
 #: Function-level built-ins registered once the module holding their targets is imported.
 _AFTER_IMPORT: dict[str, str] = {"physicsnemo.nn.functional.natten": f"{_SHARD_UTILS}.natten_patches"}
@@ -216,6 +218,9 @@ def _register_late(patch_module: str, report: Callable[[LateSlots], None]) -> No
 
     before = shard_registries.snapshot()
     importlib.import_module(patch_module)
-    added = [(change.table, change.key) for change in before.changes(shard_registries.snapshot())
-             if change.before is None and change.key is not None]
+    added = [
+        (change.table, change.key)
+        for change in before.changes(shard_registries.snapshot())
+        if change.before is None and change.key is not None
+    ]
     report(added)

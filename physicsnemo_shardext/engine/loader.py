@@ -103,16 +103,12 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import difflib
-import inspect
 import os
-import re
 import sys
 import threading
 import time
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -120,19 +116,8 @@ from typing import Any
 import pluggy
 
 from physicsnemo_shardext import hookspecs, shard_registries
-from physicsnemo_shardext.engine.baseline import is_late_builtin
 from physicsnemo_shardext.declarations import PatchSet
-from physicsnemo_shardext.errors import (
-    IncompatiblePluginError,
-    PatchConflictError,
-    PluginHookError,
-    PluginLoadError,
-    PluginNameClash,
-    ReentrantLoadError,
-    ShardextWarning,
-    UndeclaredPatchError,
-    is_user_interrupt,
-)
+from physicsnemo_shardext.engine.baseline import is_late_builtin
 from physicsnemo_shardext.engine.discovery import (
     ENTRY_POINT_GROUP,
     discover_entry_points,
@@ -144,7 +129,6 @@ from physicsnemo_shardext.engine.discovery import (
     plugin_name_key,
 )
 from physicsnemo_shardext.engine.hook_checks import (
-    DECLARE_HOOK,
     HOOK_NAMES,
     describe_change,
     hook_problems,
@@ -153,13 +137,22 @@ from physicsnemo_shardext.engine.hook_checks import (
     unmarked_hooks,
 )
 from physicsnemo_shardext.engine.import_hooks import call_after_import
-from physicsnemo_shardext.markers import DISTRIBUTION_NAME, PROJECT_NAME
 from physicsnemo_shardext.engine.provenance import LoadStatus, PluginInfo, PluginReport
 from physicsnemo_shardext.engine.registry import PatchRegistry
 from physicsnemo_shardext.engine.requirements import incompatibility
+from physicsnemo_shardext.errors import (
+    IncompatiblePluginError,
+    PatchConflictError,
+    PluginHookError,
+    PluginLoadError,
+    ReentrantLoadError,
+    ShardextWarning,
+    UndeclaredPatchError,
+    is_user_interrupt,
+)
+from physicsnemo_shardext.markers import PROJECT_NAME
 from physicsnemo_shardext.settings import Settings
 from physicsnemo_shardext.shard_registries import RegistryChange, RegistrySnapshot
-from physicsnemo_shardext.targets import describe_handler, describe_target
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -184,7 +177,6 @@ NAME_CHECK_STAGE = "name check"
 IMPORT_AFTER_STAGE = "shardext_import_after"
 HOOK_CHECK_STAGE = "hook check"
 NESTED_LOAD_STAGE = "nested load"
-
 
 
 def loading_now() -> PluginInfo | None:
@@ -534,7 +526,9 @@ class PluginLoader:
     def _undo(self, attempt: _Attempt) -> list[str]:
         """Unregister, uninstall and restore the registries; returns the plugin's own writes undone."""
         self._unregister(attempt)
-        if attempt.info.name not in attempt.held_before and attempt.info.name in {p.name for p in self.registry.plugins()}:
+        if attempt.info.name not in attempt.held_before and attempt.info.name in {
+            p.name for p in self.registry.plugins()
+        }:
             self.registry.remove_plugin(attempt.info.name)  # interrupted or failed after the install
         stray = [] if attempt.stage == "install" else _own_changes(attempt.before)
         shard_registries.restore(attempt.before)  # late built-ins that arrived meanwhile are kept
@@ -662,8 +656,9 @@ def _with_changes(snap: RegistrySnapshot, changes: Sequence[RegistryChange]) -> 
             table.pop(change.key, None)
         else:
             table[change.key] = change.after
-    return RegistrySnapshot(tables=tuple((name, tuple(items.items())) for name, items in tables.items()),
-                            rebound=snap.rebound)
+    return RegistrySnapshot(
+        tables=tuple((name, tuple(items.items())) for name, items in tables.items()), rebound=snap.rebound
+    )
 
 
 def _own_changes(before: RegistrySnapshot) -> list[RegistryChange]:

@@ -43,20 +43,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from physicsnemo_shardext import shard_registries
+from physicsnemo_shardext.declarations import PatchDeclaration
 from physicsnemo_shardext.engine.aliases import implied_entries, torch_aliases
 from physicsnemo_shardext.engine.baseline import handler_origin
-from physicsnemo_shardext.declarations import PatchDeclaration
-from physicsnemo_shardext.errors import InvalidPatchDeclaration, PatchConflictError, ShardextWarning
-from physicsnemo_shardext.markers import DISTRIBUTION_NAME
 from physicsnemo_shardext.engine.provenance import Conflict, InstalledPatch, PluginInfo, PluginReport
 from physicsnemo_shardext.engine.resolution import Claim, Resolution, resolve_claims
-from physicsnemo_shardext.shard_registries import PatchLevel, SlotKey, SlotState
+from physicsnemo_shardext.engine.trace import traced_handler, untraced
+from physicsnemo_shardext.errors import InvalidPatchDeclaration, PatchConflictError, ShardextWarning
+from physicsnemo_shardext.markers import DISTRIBUTION_NAME
 from physicsnemo_shardext.settings import current_name
+from physicsnemo_shardext.shard_registries import PatchLevel, SlotKey, SlotState
 from physicsnemo_shardext.targets import lookup_keys, resolve_slot
-from physicsnemo_shardext.engine.trace import untraced
-from physicsnemo_shardext.engine.trace import traced_handler
 
 __all__ = ["PatchRegistry", "plugin_index", "plugin_of"]
+
 
 @dataclass
 class _RegistryState:
@@ -98,7 +98,9 @@ class PatchRegistry:
 
     def installed(self) -> list[InstalledPatch]:
         """Provenance of every handler the framework wrote into ShardTensor."""
-        return sorted(self._state.installed.values(), key=lambda p: (p.declaration.level.value, p.declaration.target_name))
+        return sorted(
+            self._state.installed.values(), key=lambda p: (p.declaration.level.value, p.declaration.target_name)
+        )
 
     def provenance(self, target: Any, level: PatchLevel | str = PatchLevel.FUNCTION) -> InstalledPatch | None:
         """Provenance of the plugin handler installed for ``target``, or ``None``."""
@@ -170,12 +172,14 @@ class PatchRegistry:
             if prior is None:
                 kept.append(declaration)
                 continue
-            yielded.append((
-                declaration.target_name,
-                f"PhysicsNeMo now registers a built-in for it ({handler_origin(prior)}: "
-                f"{getattr(prior, '__qualname__', prior)!s}), which is used; this first-party handler "
-                "stepped aside (upstream drift: see docs/compatibility.md)",
-            ))
+            yielded.append(
+                (
+                    declaration.target_name,
+                    f"PhysicsNeMo now registers a built-in for it ({handler_origin(prior)}: "
+                    f"{getattr(prior, '__qualname__', prior)!s}), which is used; this first-party handler "
+                    "stepped aside (upstream drift: see docs/compatibility.md)",
+                )
+            )
         return tuple(kept), yielded
 
     def remove_plugin(self, name: str) -> None:

@@ -55,9 +55,7 @@ def _preference_rank(plugin: PluginInfo, prefer: Sequence[str]) -> int | None:
 
 def _resolve_slot(claims: list[Claim], prefer: Sequence[str]) -> tuple[Resolution | None, Conflict | None]:
     top_priority = max(declaration.priority for _, declaration in claims)
-    top = sorted(
-        (claim for claim in claims if claim[1].priority == top_priority), key=lambda c: c[0].name
-    )
+    top = sorted((claim for claim in claims if claim[1].priority == top_priority), key=lambda c: c[0].name)
     others = sorted(
         (claim for claim in claims if claim[1].priority != top_priority),
         key=lambda c: (-c[1].priority, c[0].name),
@@ -83,9 +81,7 @@ def _resolve_slot(claims: list[Claim], prefer: Sequence[str]) -> tuple[Resolutio
     return Resolution(plugin, declaration, losers), conflict
 
 
-def resolve_claims(
-    claims: Iterable[Claim], prefer: Sequence[str]
-) -> tuple[dict[SlotKey, Resolution], list[Conflict]]:
+def resolve_claims(claims: Iterable[Claim], prefer: Sequence[str]) -> tuple[dict[SlotKey, Resolution], list[Conflict]]:
     """Resolve every slot; returns ``({slot: Resolution}, [Conflict, ...])``.
 
     Slots with an unresolved conflict are absent from the first result.

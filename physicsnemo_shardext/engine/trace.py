@@ -172,4 +172,3 @@ def _describe(error: BaseException) -> str:
     except Exception:
         message = "<unprintable>"
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
-

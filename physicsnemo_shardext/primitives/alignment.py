@@ -97,9 +97,9 @@ def _resplit(local: torch.Tensor, layout: DimLayout, dim: int, old: Sequence[int
     my_start = _offsets(old)[me]
     pieces, recv_rows = [], []
     for c in range(parts):
-        start, stop = _overlap(old, me, new, c)              # my old rows that c holds afterwards
-        pieces.append(rows_first[start - my_start: stop - my_start])
-        start, stop = _overlap(old, c, new, me)              # c's old rows that I hold afterwards
+        start, stop = _overlap(old, me, new, c)  # my old rows that c holds afterwards
+        pieces.append(rows_first[start - my_start : stop - my_start])
+        start, stop = _overlap(old, c, new, me)  # c's old rows that I hold afterwards
         recv_rows.append(stop - start)
     inner = 1
     for n in rows_first.shape[1:]:
@@ -122,8 +122,9 @@ def _resplit(local: torch.Tensor, layout: DimLayout, dim: int, old: Sequence[int
         recv_counts = [0 if c == me else recv_rows[c] * per_row for c in order]
         send = torch.cat([flat(pieces[c]) for c in order if c != me] or [flat(rows_first)[:0]])
         recv = send.new_empty(sum(recv_counts))
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                               group=layout.group)
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=layout.group
+        )
         for c, chunk in zip(order, torch.split(recv, recv_counts)):
             if c != me:
                 shape = (recv_rows[c], *rows_first.shape[1:])
@@ -197,12 +198,15 @@ def resplit_rows(local: torch.Tensor, layout: DimLayout, sizes: Sequence[int]) -
             f"resplit_rows: sizes {sizes} do not split {layout.total} rows over {layout.parts} coordinates"
         )
     if local.shape[dim] != layout.local_size:
-        raise ValueError(f"resplit_rows: local block has {local.shape[dim]} rows on dim {dim}, "
-                         f"layout says {layout.local_size}")
+        raise ValueError(
+            f"resplit_rows: local block has {local.shape[dim]} rows on dim {dim}, layout says {layout.local_size}"
+        )
     if sizes == tuple(layout.sizes):
         return local
     with profiled_range("shardext.resplit_rows"):
-        out: torch.Tensor = cast(Any, _Resplit).apply(local, layout, dim, tuple(layout.sizes), sizes)  # Function.apply: untyped before torch 2.14
+        out: torch.Tensor = cast(Any, _Resplit).apply(
+            local, layout, dim, tuple(layout.sizes), sizes
+        )  # Function.apply: untyped before torch 2.14
         return out
 
 
@@ -229,5 +233,6 @@ def align_shard(x: ShardTensor, dim: int, multiple: int) -> ShardTensor:
     layout = layouts[dim]
     sizes = aligned_split_sizes(layout.sizes, multiple)
     local = resplit_rows(local_of(x), layout, sizes)
-    return build_shard_tensor(local, x._spec.mesh, x._spec.placements,
-                              {d: (sizes if d == dim else l.sizes) for d, l in layouts.items()})
+    return build_shard_tensor(
+        local, x._spec.mesh, x._spec.placements, {d: (sizes if d == dim else l.sizes) for d, l in layouts.items()}
+    )

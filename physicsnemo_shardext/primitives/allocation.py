@@ -105,13 +105,13 @@ class sharded_allocations(TorchFunctionMode):  # noqa: N801 - used like a functi
                 local_shape = list(shape)
                 for d, layout in layouts.items():
                     local_shape[d] = layout.local_size
-                local_args = ((local_shape, *args[1:]) if func is torch.full
-                              else (local_shape,))
+                local_args = (local_shape, *args[1:]) if func is torch.full else (local_shape,)
                 local_kwargs = {k: v for k, v in kwargs.items() if k != "size"}
                 local_kwargs.setdefault("device", local_of(like).device)
                 local = func(*local_args, **local_kwargs)
-                return build_shard_tensor(local, like._spec.mesh, like._spec.placements,
-                                          {d: layout.sizes for d, layout in layouts.items()})
+                return build_shard_tensor(
+                    local, like._spec.mesh, like._spec.placements, {d: layout.sizes for d, layout in layouts.items()}
+                )
         return None
 
     def __torch_function__(

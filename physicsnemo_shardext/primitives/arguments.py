@@ -28,7 +28,7 @@ from typing import Any
 __all__ = ["bind_arguments", "expand_to"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature(reference: Callable[..., Any]) -> inspect.Signature:
     try:
         return inspect.signature(reference)
@@ -39,7 +39,7 @@ def _signature(reference: Callable[..., Any]) -> inspect.Signature:
         ) from error
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fast_plan(reference: Callable[..., Any]) -> tuple[tuple[str, ...], int, dict[str, Any]] | None:
     """(names, how many may be positional, defaults) where binding is plain name matching, else ``None``.
 
@@ -81,8 +81,11 @@ def bind_arguments(reference: Callable[..., Any], args: tuple[Any, ...], kwargs:
     if plan is not None:
         names, positional, defaults = plan
         given = dict(zip(names, args))
-        if (len(args) <= positional and all(k in defaults or k in names for k in kwargs)
-                and not any(k in given for k in kwargs)):
+        if (
+            len(args) <= positional
+            and all(k in defaults or k in names for k in kwargs)
+            and not any(k in given for k in kwargs)
+        ):
             given.update(kwargs)
             if all(n in given or n in defaults for n in names):
                 return {n: given[n] if n in given else defaults[n] for n in names}

@@ -156,8 +156,10 @@ def refuse_tracing(func: Any, why: str = "") -> None:
         explanation=f"The physicsnemo-shardext ShardTensor handler for {target} is written for eager "
         "execution (c10d collectives, Python-side shard bookkeeping) and is not traced; it runs eagerly "
         "between compiled graphs." + (f" {why}" if why else ""),
-        hints=["This graph break is expected: the ops around it are still compiled.",
-               "Use fullgraph=False (the default) to compile a model on ShardTensor inputs."],
+        hints=[
+            "This graph break is expected: the ops around it are still compiled.",
+            "Use fullgraph=False (the default) to compile a model on ShardTensor inputs.",
+        ],
     )
 
 

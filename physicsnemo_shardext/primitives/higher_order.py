@@ -89,7 +89,9 @@ def linear_backward(grad: torch.Tensor, backward_map: LinearMap, forward_map: Li
         tensor([1., 0., 4.])
     """
     if builds_graph(grad):
-        return cast(torch.Tensor, cast(Any, _LinearMap).apply(grad, backward_map, forward_map))  # Function.apply: untyped before torch 2.14
+        return cast(
+            torch.Tensor, cast(Any, _LinearMap).apply(grad, backward_map, forward_map)
+        )  # Function.apply: untyped before torch 2.14
     return backward_map(grad)
 
 

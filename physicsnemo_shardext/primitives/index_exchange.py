@@ -40,7 +40,6 @@ import torch.distributed as dist
 from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout
 from physicsnemo_shardext.primitives.profiling import profiled_range
-from physicsnemo_shardext.primitives.wrapping import local_of
 
 __all__ = ["ExchangePlan", "gather_global_indices", "halo_indices", "plan_exchange"]
 
@@ -225,7 +224,9 @@ def _gather_rows_by_plan(rows_first: torch.Tensor, layout: DimLayout, plan: Exch
     return out
 
 
-def _return_rows_by_plan(grad_out: torch.Tensor, layout: DimLayout, plan: ExchangePlan, local_rows: int) -> torch.Tensor:
+def _return_rows_by_plan(
+    grad_out: torch.Tensor, layout: DimLayout, plan: ExchangePlan, local_rows: int
+) -> torch.Tensor:
     """The adjoint exchange: what was received goes back to its owner, summed into its rows."""
     grad = grad_out.new_zeros((local_rows,) + tuple(grad_out.shape[1:]))
     if plan.self_rows:
@@ -288,13 +289,13 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
     with profiled_range("shardext.gather_global_indices"):
         plan = plan_exchange(layout, wanted_by)
         rows_first = local.movedim(layout.tensor_dim, 0)
-        out: torch.Tensor = cast(Any, _GatherGlobalIndices).apply(rows_first, layout, plan)  # Function.apply: untyped before torch 2.14
+        out: torch.Tensor = cast(Any, _GatherGlobalIndices).apply(
+            rows_first, layout, plan
+        )  # Function.apply: untyped before torch 2.14
         return out.movedim(0, layout.tensor_dim)
 
 
-def halo_indices(
-    layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False
-) -> Sequence[int]:
+def halo_indices(layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False) -> Sequence[int]:
     """Global rows of ``coord``'s shard extended by ``before``/``after`` rows.
 
     Non-periodic: rows outside the global range are dropped (the caller pads the

@@ -22,9 +22,9 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import atexit
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 

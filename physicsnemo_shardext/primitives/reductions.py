@@ -138,6 +138,7 @@ def _apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
     """``function.apply(*args)``, typed: torch's stubs type ``Function.apply`` from 2.14 on only."""
     return cast(torch.Tensor, cast(Any, function).apply(*args))
 
+
 class _SumGradOver(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:

@@ -202,6 +202,7 @@ def _partial_sums_resolved(args: tuple[Any, ...], positions: list[int]) -> tuple
     DTensor fallback, whose backward sized the blocks as even chunks and failed. The sum is one
     differentiable all-reduce of the (broadcast) operand's size, as the fallback's forward does.
     """
+
     def pending(a: Any) -> bool:
         return isinstance(a, ShardTensor) and is_partial(a) and not any(p.is_shard() for p in a._spec.placements)
 
@@ -214,7 +215,9 @@ def _partial_sums_resolved(args: tuple[Any, ...], positions: list[int]) -> tuple
     for i in positions:
         if pending(args[i]):
             a = args[i]
-            resolved[i] = a.redistribute(a._spec.mesh, [Replicate() if p.is_partial() else p for p in a._spec.placements])
+            resolved[i] = a.redistribute(
+                a._spec.mesh, [Replicate() if p.is_partial() else p for p in a._spec.placements]
+            )
     return tuple(resolved)
 
 

@@ -83,7 +83,11 @@ def _inner(t: torch.Tensor, *skip: int) -> int:
 
 
 def _exchange(
-    local: torch.Tensor, layout: DimLayout, cut_dim: int, cut_sizes: Sequence[int], join_dim: int,
+    local: torch.Tensor,
+    layout: DimLayout,
+    cut_dim: int,
+    cut_sizes: Sequence[int],
+    join_dim: int,
     join_sizes: Sequence[int],
 ) -> torch.Tensor:
     """Cut ``local`` along ``cut_dim`` into ``cut_sizes``, send piece c to coordinate c, join along ``join_dim``.
@@ -121,8 +125,9 @@ def _exchange(
     inner = _inner(local, cut_dim, join_dim)
     crosses = inner > 0 and any(join_sizes[a] * cut_sizes[b] for a in range(parts) for b in range(parts) if a != b)
     if crosses:
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                               group=layout.group)
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=layout.group
+        )
     chunks = dict(zip(order, recv.split(recv_counts)))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
     received = []
     for c in range(parts):
@@ -141,7 +146,12 @@ class _MoveShard(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, local: torch.Tensor, layout: DimLayout, src_dim: int, dst_dim: int, src_sizes: Sequence[int],
+        ctx: Any,
+        local: torch.Tensor,
+        layout: DimLayout,
+        src_dim: int,
+        dst_dim: int,
+        src_sizes: Sequence[int],
         dst_sizes: Sequence[int],
     ) -> torch.Tensor:
         ctx.args = (layout, src_dim, dst_dim, src_sizes, dst_sizes)
@@ -194,15 +204,16 @@ def move_shard(
     if len(sizes) != layout.parts or sum(sizes) != total or min(sizes) < 0:
         raise ValueError(f"move_shard: sizes {sizes} do not split {total} rows over {layout.parts} coordinates")
     if local.shape[src_dim] != layout.local_size:
-        raise ValueError(f"move_shard: local block has {local.shape[src_dim]} rows on dim {src_dim}, "
-                         f"layout says {layout.local_size}")
+        raise ValueError(
+            f"move_shard: local block has {local.shape[src_dim]} rows on dim {src_dim}, layout says {layout.local_size}"
+        )
     with profiled_range("shardext.move_shard"):
-        return cast(torch.Tensor, cast(Any, _MoveShard).apply(local, layout, src_dim, dst_dim, layout.sizes, sizes))  # Function.apply: untyped before torch 2.14
+        return cast(
+            torch.Tensor, cast(Any, _MoveShard).apply(local, layout, src_dim, dst_dim, layout.sizes, sizes)
+        )  # Function.apply: untyped before torch 2.14
 
 
-def transpose_shard(
-    x: ShardTensor, src_dim: int, dst_dim: int, dst_sizes: Sequence[int] | None = None
-) -> ShardTensor:
+def transpose_shard(x: ShardTensor, src_dim: int, dst_dim: int, dst_sizes: Sequence[int] | None = None) -> ShardTensor:
     """ShardTensor form of `move_shard`: ``Shard(src_dim)`` becomes ``Shard(dst_dim)`` on its mesh dim.
 
     ``dst_dim`` must not be sharded already. Other mesh dims keep their placements and sizes.

@@ -146,8 +146,9 @@ def local_of(x: Any) -> torch.Tensor:
 
 
 def _frozen(sharding_shapes: Mapping[int, Sequence[Sequence[int]]]) -> tuple[Any, ...]:
-    return tuple(sorted((int(d), tuple(tuple(int(n) for n in s) for s in shapes))
-                        for d, shapes in sharding_shapes.items()))
+    return tuple(
+        sorted((int(d), tuple(tuple(int(n) for n in s) for s in shapes)) for d, shapes in sharding_shapes.items())
+    )
 
 
 def wrap_local(

@@ -281,8 +281,8 @@ def worker_main(config: WorkerConfig, conn: Any, control: Any = None) -> None:
 
         torch.set_num_threads(1)  # N ranks share a few cores; oversubscription makes tests crawl
         _init_process_group(config)
-        from physicsnemo_shardext.training.distributed import initialize
         from physicsnemo_shardext.ranks.hang_report import start_tracking
+        from physicsnemo_shardext.training.distributed import initialize
 
         initialize()
         # For the whole life of the worker: torch.distributed entry points record their calls.

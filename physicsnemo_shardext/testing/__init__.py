@@ -86,6 +86,7 @@ def _module_of(name: str) -> str:
     module = _EXPORTS[name]
     return module if "." in module else f"{__name__}.{module}"
 
+
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ imports lazily
     from physicsnemo_shardext.ranks.activation_gathers import (
         GatherRecorder,
@@ -93,6 +94,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         smallest_activation_numel,
     )
     from physicsnemo_shardext.ranks.comm_accounting import CommCounter, CommStats, PhaseCommStats
+    from physicsnemo_shardext.ranks.worker_pool import PoolOutcome, WorkerPool
+    from physicsnemo_shardext.testing.comm_measurement import measure_comms
     from physicsnemo_shardext.testing.conformance import (
         ConformanceError,
         ConformanceReport,
@@ -100,7 +103,6 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         ShardSpec,
         check_conformance,
     )
-    from physicsnemo_shardext.testing.comm_measurement import measure_comms
     from physicsnemo_shardext.testing.delegation import check_delegation, partial_terms
     from physicsnemo_shardext.testing.isolation import (
         DEFAULT_SEED,
@@ -119,7 +121,6 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
         sharding_shapes_for,
     )
     from physicsnemo_shardext.testing.splits import SplitCase, split_cases
-    from physicsnemo_shardext.ranks.worker_pool import PoolOutcome, WorkerPool
 
 
 def __getattr__(name: str) -> Any:

@@ -96,7 +96,10 @@ class _Guard:
     """Turn an error of the code under test inside the block into a `Mismatch` (and suppress it)."""
 
     def __init__(
-        self, what: str | Callable[[BaseException], str], stage: str, mismatches: list[Mismatch],
+        self,
+        what: str | Callable[[BaseException], str],
+        stage: str,
+        mismatches: list[Mismatch],
         blame: Callable[[BaseException], str],
     ) -> None:
         self.what, self.stage, self.mismatches, self.blame = what, stage, mismatches, blame

@@ -90,8 +90,13 @@ class _AutocastTolerance:
     `check_conformance` for the rule; dtypes must equal the reference's.
     """
 
-    def __init__(self, autocast: tuple[str, torch.dtype], factor: float, baseline: dict[str, torch.Tensor | None],
-                 report: ConformanceReport) -> None:
+    def __init__(
+        self,
+        autocast: tuple[str, torch.dtype],
+        factor: float,
+        baseline: dict[str, torch.Tensor | None],
+        report: ConformanceReport,
+    ) -> None:
         self.autocast, self.factor, self.baseline, self.report = autocast, factor, baseline, report
 
     def reference_error(self, what: str, expected: torch.Tensor | None) -> tuple[float, float]:
@@ -109,22 +114,43 @@ class _AutocastTolerance:
         return error, max(error, unit)
 
     def compare(
-        self, what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
-        mismatches: list[Mismatch], errors: dict[str, float],
+        self,
+        what: str,
+        actual: torch.Tensor | None,
+        expected: torch.Tensor | None,
+        rtol: float,
+        atol: float,
+        mismatches: list[Mismatch],
+        errors: dict[str, float],
     ) -> None:
         """`_compare` with ``atol`` widened by the reference's own autocast error (see `check_conformance`)."""
         error, scale = self.reference_error(what, expected)
         used = max(atol, self.factor * scale)
         self.report.autocast_reference_errors[what] = error
         self.report.autocast_atols[what] = used
-        note = (f"; autocast reference vs fp32 error {error:.3e}, "
-                f"atol = max({atol:g}, {self.factor:g} x max(that, eps x max|reference|))")
-        _compare(what, actual, expected, rtol, used, mismatches, errors, check_dtype=True, note=note,
-                 results=self.report.comparisons)
+        note = (
+            f"; autocast reference vs fp32 error {error:.3e}, "
+            f"atol = max({atol:g}, {self.factor:g} x max(that, eps x max|reference|))"
+        )
+        _compare(
+            what,
+            actual,
+            expected,
+            rtol,
+            used,
+            mismatches,
+            errors,
+            check_dtype=True,
+            note=note,
+            results=self.report.comparisons,
+        )
 
 
 def _full_precision_results(
-    fn: Callable[..., Any], inputs: Sequence[Any], specs: Sequence[ShardSpec | None], kwargs: dict[str, Any],
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    specs: Sequence[ShardSpec | None],
+    kwargs: dict[str, Any],
     cotangents: Sequence[torch.Tensor | None],
 ) -> dict[str, torch.Tensor | None]:
     """Run the reference once without autocast and name what it produced like the comparisons do.

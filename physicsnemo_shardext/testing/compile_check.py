@@ -51,8 +51,14 @@ def _resolve_compile(option: bool | str) -> str | None:
 
 
 def _sharded_steps(
-    call: Callable[..., Any], module: Any, inputs: Sequence[Any], specs: Sequence[ShardSpec | None],
-    params: ParamMode, kwargs: dict[str, Any], seed: int, mismatches: list[Mismatch],
+    call: Callable[..., Any],
+    module: Any,
+    inputs: Sequence[Any],
+    specs: Sequence[ShardSpec | None],
+    params: ParamMode,
+    kwargs: dict[str, Any],
+    seed: int,
+    mismatches: list[Mismatch],
 ) -> list[dict[str, torch.Tensor | None]]:
     """`COMPILE_STEPS` forward+backward passes of ``call`` on fresh sharded inputs: gathered outputs and gradients."""
     steps = []
@@ -67,7 +73,8 @@ def _sharded_steps(
         differentiable = [o for o in outputs if o.requires_grad]
         if differentiable:
             torch.autograd.backward(
-                differentiable, [_cotangent_for(o, o.shape, seed + j) for j, o in enumerate(differentiable)])
+                differentiable, [_cotangent_for(o, o.shape, seed + j) for j, o in enumerate(differentiable)]
+            )
         for i, sh_in in enumerate(sh_inputs):
             if specs[i] is not None and _needs_grad(inputs[i]):
                 grad = sh_in.grad
@@ -80,9 +87,16 @@ def _sharded_steps(
 
 
 def _check_compiled(
-    fn: Callable[..., Any], inputs: Sequence[Any], specs: Sequence[ShardSpec | None], params: ParamMode,
-    kwargs: dict[str, Any], seed: int, backend: str, compare: Callable[..., None],
-    tolerances: tuple[float, float, float, float], mismatches: list[Mismatch],
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    specs: Sequence[ShardSpec | None],
+    params: ParamMode,
+    kwargs: dict[str, Any],
+    seed: int,
+    backend: str,
+    compare: Callable[..., None],
+    tolerances: tuple[float, float, float, float],
+    mismatches: list[Mismatch],
 ) -> None:
     """The sharded steps under ``torch.compile(backend=backend, dynamic=False)`` against the same steps eagerly."""
     rtol, atol, grad_rtol, grad_atol = tolerances
@@ -106,5 +120,10 @@ def _check_compiled(
     for k, (got, want) in enumerate(zip(compiled, eager)):
         for what in sorted(set(got) | set(want)):
             is_grad = what.startswith("gradient")
-            compare(f"{label} step {k}: {what}", got.get(what), want.get(what),
-                    grad_rtol if is_grad else rtol, grad_atol if is_grad else atol)
+            compare(
+                f"{label} step {k}: {what}",
+                got.get(what),
+                want.get(what),
+                grad_rtol if is_grad else rtol,
+                grad_atol if is_grad else atol,
+            )

@@ -124,7 +124,12 @@ from physicsnemo_shardext.testing.conformance_runs import (  # noqa: F401 - ever
 )
 
 __all__ = [
-    "AUTOCAST_ERROR_FACTOR", "ConformanceError", "ConformanceReport", "Mismatch", "ShardSpec", "check_conformance",
+    "AUTOCAST_ERROR_FACTOR",
+    "ConformanceError",
+    "ConformanceReport",
+    "Mismatch",
+    "ShardSpec",
+    "check_conformance",
 ]
 
 
@@ -205,8 +210,19 @@ def check_conformance(
         ConformanceError: on every rank, if any rank saw a mismatch.
     """
     check = _prepare(
-        fn, inputs, shardings, rtol=rtol, atol=atol, grad_rtol=grad_rtol, grad_atol=grad_atol, params=params,
-        kwargs=kwargs, seed=seed, autocast=autocast, autocast_factor=autocast_factor, compile=compile,
+        fn,
+        inputs,
+        shardings,
+        rtol=rtol,
+        atol=atol,
+        grad_rtol=grad_rtol,
+        grad_atol=grad_atol,
+        params=params,
+        kwargs=kwargs,
+        seed=seed,
+        autocast=autocast,
+        autocast_factor=autocast_factor,
+        compile=compile,
     )
     reference = _reference(check)
     sharded = _forward(check, reference)
@@ -214,16 +230,35 @@ def check_conformance(
     if sharded.gathered:
         _backward(check, reference, sharded)
     if isinstance(check.fn, torch.nn.Module) and sharded.ran:
-        _compare_buffers(cast(torch.nn.Module, sharded.module), cast(torch.nn.Module, reference.module), check.rtol, check.atol, check.mismatches,
-                         check.report.max_abs_errors, check.tolerance, check.report.comparisons)
+        _compare_buffers(
+            cast(torch.nn.Module, sharded.module),
+            cast(torch.nn.Module, reference.module),
+            check.rtol,
+            check.atol,
+            check.mismatches,
+            check.report.max_abs_errors,
+            check.tolerance,
+            check.report.comparisons,
+        )
     if check.backend is not None and not check.mismatches:
         # Only a conformant eager run is worth comparing the compiled one with.
-        _check_compiled(check.fn, check.inputs, check.specs, check.params, check.kwargs, check.seed, check.backend,
-                        check.compare, (check.rtol, check.atol, check.grad_rtol, check.grad_atol), check.mismatches)
+        _check_compiled(
+            check.fn,
+            check.inputs,
+            check.specs,
+            check.params,
+            check.kwargs,
+            check.seed,
+            check.backend,
+            check.compare,
+            (check.rtol, check.atol, check.grad_rtol, check.grad_atol),
+            check.mismatches,
+        )
     _verdict(check, sharded)
     if count_comms:
-        check.report.comms = measure_comms(check.fn, check.inputs, check.specs, params=params, kwargs=check.kwargs,
-                                           seed=seed, autocast=autocast)
+        check.report.comms = measure_comms(
+            check.fn, check.inputs, check.specs, params=params, kwargs=check.kwargs, seed=seed, autocast=autocast
+        )
     return check.report
 
 
@@ -254,8 +289,16 @@ class _Check:
     def compare(self, what: str, actual: Any, expected: Any, rtol: float, atol: float) -> None:
         """Compare one tensor with the reference's (under autocast by its tolerance); record the error."""
         if self.tolerance is None:
-            _compare(what, actual, expected, rtol, atol, self.mismatches, self.report.max_abs_errors,
-                     results=self.report.comparisons)
+            _compare(
+                what,
+                actual,
+                expected,
+                rtol,
+                atol,
+                self.mismatches,
+                self.report.max_abs_errors,
+                results=self.report.comparisons,
+            )
         else:
             self.tolerance.compare(what, actual, expected, rtol, atol, self.mismatches, self.report.max_abs_errors)
 
@@ -283,10 +326,20 @@ class _Sharded:
 
 
 def _prepare(
-    fn: Callable[..., Any], inputs: Sequence[Any], shardings: ShardSpec | Sequence[ShardSpec | None], *,
-    rtol: float, atol: float, grad_rtol: float | None, grad_atol: float | None, params: ParamMode,
-    kwargs: dict[str, Any] | None, seed: int, autocast: torch.dtype | tuple[str, torch.dtype] | None,
-    autocast_factor: float, compile: bool | str,  # noqa: A002 - named like torch.compile
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    shardings: ShardSpec | Sequence[ShardSpec | None],
+    *,
+    rtol: float,
+    atol: float,
+    grad_rtol: float | None,
+    grad_atol: float | None,
+    params: ParamMode,
+    kwargs: dict[str, Any] | None,
+    seed: int,
+    autocast: torch.dtype | tuple[str, torch.dtype] | None,
+    autocast_factor: float,
+    compile: bool | str,  # noqa: A002 - named like torch.compile
 ) -> _Check:
     """Read the options, move ``fn`` and the inputs to the mesh's device, check every rank holds the same."""
     kwargs = kwargs or {}
@@ -304,8 +357,24 @@ def _prepare(
         raise ValueError("check_conformance: compile= and autocast= cannot be combined")
     fn, moved = _to_mesh_device(fn, inputs, mesh)
     _assert_same_on_all_ranks(fn, moved)
-    return _Check(fn, moved, specs, kwargs, mesh, params, seed, rtol, atol, grad_rtol, grad_atol, amp,
-                  autocast_factor, backend, default_placements, ConformanceReport(autocast=amp))
+    return _Check(
+        fn,
+        moved,
+        specs,
+        kwargs,
+        mesh,
+        params,
+        seed,
+        rtol,
+        atol,
+        grad_rtol,
+        grad_atol,
+        amp,
+        autocast_factor,
+        backend,
+        default_placements,
+        ConformanceReport(autocast=amp),
+    )
 
 
 def _reference(check: _Check) -> _Reference:
@@ -340,7 +409,8 @@ def _forward(check: _Check, reference: _Reference) -> _Sharded:
     if not forward.failed and len(sh_outputs) != len(reference.outputs):
         raise ConformanceError(
             [Mismatch("outputs", f"{len(sh_outputs)} tensors, reference has {len(reference.outputs)}")],
-            plugins=who.ran())
+            plugins=who.ran(),
+        )
     return _Sharded(sharded, sh_inputs, sh_outputs, recorder, who, ran=not forward.failed, gathered=not forward.failed)
 
 
@@ -361,20 +431,42 @@ def _compare_outputs(check: _Check, reference: _Reference, sharded: _Sharded, ex
         wanted = _expected_placements_for(i, expected_placements, check.default_placements)
         if wanted is not False and placements != wanted:
             clause = who.blame("forward", [sh_out])
-            check.mismatches.append(Mismatch(f"placements of output[{i}]",
-                                             f"{placements} != expected {wanted}" + (f"; {clause}" if clause else "")))
+            check.mismatches.append(
+                Mismatch(
+                    f"placements of output[{i}]",
+                    f"{placements} != expected {wanted}" + (f"; {clause}" if clause else ""),
+                )
+            )
 
 
 def _backward(check: _Check, reference: _Reference, sharded: _Sharded) -> None:
     """Backward of both runs with the same cotangents; then input and parameter gradients compared."""
-    if not _run_backward(reference.outputs, sharded.outputs, check.seed, sharded.recorder, sharded.who,
-                         check.mismatches):
+    if not _run_backward(
+        reference.outputs, sharded.outputs, check.seed, sharded.recorder, sharded.who, check.mismatches
+    ):
         return
-    _compare_gradients(check.specs, check.inputs, sharded.inputs, reference.inputs, check.compare, check.grad_rtol,
-                       check.grad_atol, check.mismatches, sharded.who)
+    _compare_gradients(
+        check.specs,
+        check.inputs,
+        sharded.inputs,
+        reference.inputs,
+        check.compare,
+        check.grad_rtol,
+        check.grad_atol,
+        check.mismatches,
+        sharded.who,
+    )
     if isinstance(check.fn, torch.nn.Module):
-        _compare_param_grads(cast(torch.nn.Module, sharded.module), cast(torch.nn.Module, reference.module), check.params, check.compare,
-                             check.grad_rtol, check.grad_atol, check.mismatches, sharded.who)
+        _compare_param_grads(
+            cast(torch.nn.Module, sharded.module),
+            cast(torch.nn.Module, reference.module),
+            check.params,
+            check.compare,
+            check.grad_rtol,
+            check.grad_atol,
+            check.mismatches,
+            sharded.who,
+        )
 
 
 def _verdict(check: _Check, sharded: _Sharded) -> None:
@@ -388,35 +480,53 @@ def _verdict(check: _Check, sharded: _Sharded) -> None:
 
 # -- the steps' parts -----------------------------------------------------------------------
 def _run_backward(
-    ref_outputs: list[torch.Tensor], sh_outputs: list[torch.Tensor], seed: int, recorder: HandlerRecorder,
-    who: _Attribution, mismatches: list[Mismatch],
+    ref_outputs: list[torch.Tensor],
+    sh_outputs: list[torch.Tensor],
+    seed: int,
+    recorder: HandlerRecorder,
+    who: _Attribution,
+    mismatches: list[Mismatch],
 ) -> bool:
     """Backward of both runs; an error of the sharded one becomes a mismatch. Returns whether it completed."""
     indices = [i for i, r in enumerate(ref_outputs) if r.requires_grad]
     if not indices:
         return True
-    torch.autograd.backward([ref_outputs[i] for i in indices],
-                            [_cotangent_for(ref_outputs[i], ref_outputs[i].shape, seed + j) for j, i in enumerate(indices)])
+    torch.autograd.backward(
+        [ref_outputs[i] for i in indices],
+        [_cotangent_for(ref_outputs[i], ref_outputs[i].shape, seed + j) for j, i in enumerate(indices)],
+    )
     produced = [sh_outputs[i] for i in indices]
     cotangents = []
     for j, i in enumerate(indices):
-        guard = _Guard(f"output[{i}]", "building its cotangent", mismatches,
-                       lambda e: who.blame("forward", [sh_outputs[i]]))  # entered below, in this iteration
+        guard = _Guard(
+            f"output[{i}]", "building its cotangent", mismatches, lambda e: who.blame("forward", [sh_outputs[i]])
+        )  # entered below, in this iteration
         with guard:
             cotangents.append(_cotangent_for(sh_outputs[i], ref_outputs[i].shape, seed + j))
         if guard.failed:
             return False
     # Autograd's "Mismatch in shape" names output[k] among those passed: map k back to our numbering.
-    guard = _Guard(lambda e: _backward_target(e, indices), "the sharded backward", mismatches,
-                   lambda e: who.blame("backward", produced))
+    guard = _Guard(
+        lambda e: _backward_target(e, indices),
+        "the sharded backward",
+        mismatches,
+        lambda e: who.blame("backward", produced),
+    )
     with guard, recorder.recording("backward"):
         torch.autograd.backward(produced, cotangents)
     return not guard.failed
 
 
 def _compare_gradients(
-    specs: Sequence[ShardSpec | None], inputs: Sequence[Any], sh_inputs: Sequence[Any], ref_inputs: Sequence[Any],
-    compare: Callable[..., None], rtol: float, atol: float, mismatches: list[Mismatch], who: _Attribution,
+    specs: Sequence[ShardSpec | None],
+    inputs: Sequence[Any],
+    sh_inputs: Sequence[Any],
+    ref_inputs: Sequence[Any],
+    compare: Callable[..., None],
+    rtol: float,
+    atol: float,
+    mismatches: list[Mismatch],
+    who: _Attribution,
 ) -> None:
     """Input gradients of the sharded run against the reference's (gathering one may raise, too)."""
     for i, (sh_in, ref_in) in enumerate(zip(sh_inputs, ref_inputs)):
@@ -431,8 +541,14 @@ def _compare_gradients(
 
 
 def _compare_param_grads(
-    sharded: torch.nn.Module, reference: torch.nn.Module, params: ParamMode, compare: Callable[..., None],
-    rtol: float, atol: float, mismatches: list[Mismatch], who: _Attribution,
+    sharded: torch.nn.Module,
+    reference: torch.nn.Module,
+    params: ParamMode,
+    compare: Callable[..., None],
+    rtol: float,
+    atol: float,
+    mismatches: list[Mismatch],
+    who: _Attribution,
 ) -> None:
     """Parameter gradients: present, Replicate under ``params="distribute"``, equal to the reference's."""
     sh_params = dict(sharded.named_parameters())
@@ -449,8 +565,13 @@ def _compare_param_grads(
 
 
 def _compare_buffers(
-    sharded: torch.nn.Module, reference: torch.nn.Module, rtol: float, atol: float,
-    mismatches: list[Mismatch], errors: dict[str, float], tolerance: _AutocastTolerance | None = None,
+    sharded: torch.nn.Module,
+    reference: torch.nn.Module,
+    rtol: float,
+    atol: float,
+    mismatches: list[Mismatch],
+    errors: dict[str, float],
+    tolerance: _AutocastTolerance | None = None,
     results: dict[str, Comparison] | None = None,
 ) -> None:
     """Buffers after the run (running stats, counters) must equal the reference's, on every rank.

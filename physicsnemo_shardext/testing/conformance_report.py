@@ -51,8 +51,10 @@ class Mismatch:
         found = self.comparison
         if found is not None:
             where = f", worst at {list(found.worst_index)}" if found.worst_index else ""
-            error = (f"max abs error {found.max_abs_error:.3e}, max rel error {found.max_rel_error:.3e}{where} "
-                     f"({found.mismatched} of {found.numel} elements outside); ")
+            error = (
+                f"max abs error {found.max_abs_error:.3e}, max rel error {found.max_rel_error:.3e}{where} "
+                f"({found.mismatched} of {found.numel} elements outside); "
+            )
         return f"{self.what}: {error}{self.detail} (rank(s) {list(self.ranks)})"
 
 
@@ -119,6 +121,7 @@ def _merge(per_rank: list[list[Mismatch]]) -> list[Mismatch]:
                 errors = [e for e in (previous.max_abs_error, m.max_abs_error) if e is not None]
                 found = [c for c in (previous.comparison, m.comparison) if c is not None]
                 worst = max(found, key=lambda c: (c.max_abs_error, c.worst_ratio)) if found else None
-                merged[key] = Mismatch(m.what, m.detail, max(errors) if errors else None, previous.ranks + (rank,),
-                                       worst)
+                merged[key] = Mismatch(
+                    m.what, m.detail, max(errors) if errors else None, previous.ranks + (rank,), worst
+                )
     return list(merged.values())

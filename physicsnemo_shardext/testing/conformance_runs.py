@@ -94,11 +94,15 @@ def _sharded_inputs(inputs: Sequence[Any], specs: Sequence[ShardSpec | None]) ->
         if spec is None or not isinstance(x, torch.Tensor):
             result.append(x)
         else:
-            result.append(shard_tensor(x, spec.mesh, spec.placements, spec.sizes_by_mesh_dim, requires_grad=_needs_grad(x)))
+            result.append(
+                shard_tensor(x, spec.mesh, spec.placements, spec.sizes_by_mesh_dim, requires_grad=_needs_grad(x))
+            )
     return result
 
 
-def _to_mesh_device(fn: Callable[..., Any], inputs: Sequence[Any], mesh: DeviceMesh) -> tuple[Callable[..., Any], list[Any]]:
+def _to_mesh_device(
+    fn: Callable[..., Any], inputs: Sequence[Any], mesh: DeviceMesh
+) -> tuple[Callable[..., Any], list[Any]]:
     """Move a module copy and the full inputs to the mesh's device (tests build them on CPU)."""
     if mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -155,8 +159,16 @@ def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
 
 
 def _compare(
-    what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float,
-    mismatches: list[Mismatch], errors: dict[str, float], *, check_dtype: bool = True, note: str = "",
+    what: str,
+    actual: torch.Tensor | None,
+    expected: torch.Tensor | None,
+    rtol: float,
+    atol: float,
+    mismatches: list[Mismatch],
+    errors: dict[str, float],
+    *,
+    check_dtype: bool = True,
+    note: str = "",
     results: dict[str, Comparison] | None = None,
 ) -> None:
     """Compare by the one rule (`physicsnemo_shardext.comparison.compare`); record the error, note a mismatch."""
@@ -175,8 +187,9 @@ def _compare(
     if results is not None:
         results[what] = result
     if not result.passed:
-        mismatches.append(Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}{note}", result.max_abs_error,
-                                   comparison=result))
+        mismatches.append(
+            Mismatch(what, f"not within rtol={rtol:g}, atol={atol:g}{note}", result.max_abs_error, comparison=result)
+        )
 
 
 def _gathered(value: torch.Tensor) -> tuple[torch.Tensor, tuple[Placement, ...] | None]:

@@ -90,7 +90,9 @@ def check_delegation(
         else:
             out = fn(partial)
         value = out.full_tensor()
-        torch.testing.assert_close(value, expected, msg=lambda m: f"{plugin} {'disabled' if disabled else 'installed'}: {m}")
+        torch.testing.assert_close(
+            value, expected, msg=lambda m: f"{plugin} {'disabled' if disabled else 'installed'}: {m}"
+        )
         (value * cotangent).sum().backward()
         torch.testing.assert_close(local.grad, reference.grad, msg=lambda m: f"input gradient: {m}")
         runs.append((tuple(out._spec.placements), out.to_local(), local.grad))

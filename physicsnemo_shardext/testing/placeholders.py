@@ -93,6 +93,5 @@ def build(kind: str, registry: Any = None) -> Any:
 def materialize(kwargs: dict[str, Any], registry: Any = None) -> dict[str, Any]:
     """Replace top-level `RankValue` placeholders in a test's arguments by real objects."""
     return {
-        name: build(value.kind, registry) if isinstance(value, RankValue) else value
-        for name, value in kwargs.items()
+        name: build(value.kind, registry) if isinstance(value, RankValue) else value for name, value in kwargs.items()
     }

@@ -56,7 +56,7 @@ from typing import Any
 
 import pytest
 
-from physicsnemo_shardext.testing.isolation import DEFAULT_SEED, registry_sandbox_context, rank_test_environment
+from physicsnemo_shardext.testing.isolation import DEFAULT_SEED, rank_test_environment, registry_sandbox_context
 from physicsnemo_shardext.testing.placeholders import RankValue, build
 
 __all__ = [
@@ -116,8 +116,8 @@ class MultirankController:
         ``P2POp`` built by a fixture must meet the same ``dist.isend`` in the body).
         """
         if not self._initialized:
-            from physicsnemo_shardext.training.distributed import initialize
             from physicsnemo_shardext.ranks.hang_report import start_tracking
+            from physicsnemo_shardext.training.distributed import initialize
 
             initialize()
             start_tracking()
@@ -156,8 +156,8 @@ class MultirankController:
             pool.close()
         self.pools.clear()
         if self._initialized:
-            from physicsnemo_shardext.training.distributed import shutdown
             from physicsnemo_shardext.ranks.hang_report import stop_tracking
+            from physicsnemo_shardext.training.distributed import shutdown
 
             stop_tracking()
             shutdown()

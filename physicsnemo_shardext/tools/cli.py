@@ -176,7 +176,9 @@ def _inspect(step: str, errors: list[str], action: Callable[[], T], default: T) 
         return contained(step, errors, action, default)
 
 
-def _table(rows: list[dict[str, Any]], columns: Sequence[str], out: TextIO, titles: dict[str, str] | None = None) -> None:
+def _table(
+    rows: list[dict[str, Any]], columns: Sequence[str], out: TextIO, titles: dict[str, str] | None = None
+) -> None:
     if not rows:
         out.write("(none)\n")
         return
@@ -226,7 +228,9 @@ def _write_listing(handlers: list[dict[str, Any]], plugins: list[dict[str, Any]]
             "\nUnresolved conflicts: plugins claim these slots at equal priority, so neither handler is installed "
             "and ShardTensor calls what it had before (set SHARDEXT_PREFER, a priority, or SHARDEXT_DISABLE):\n"
         )
-        _table(unresolved, ["target", "level", "priority", "claimants_cell", "calls"], out, {"claimants_cell": "claimants"})
+        _table(
+            unresolved, ["target", "level", "priority", "claimants_cell", "calls"], out, {"claimants_cell": "claimants"}
+        )
     drifted = [row for row in handlers if row["drift"]]
     if drifted:
         out.write("\nHandlers ShardTensor calls that are not the recorded ones:\n")
@@ -265,9 +269,7 @@ def plugin_health(plugin: dict[str, Any]) -> list[str]:
     if plugin.get("slow"):
         notes.append(f"slow: {plugin.get('load_seconds') or 0:.2f} s to load (import and hooks)")
     if plugin["status"] == "loaded" and plugin["patches"] == 0 and not plugin.get("problems"):
-        notes.append(
-            "note: declared no patches on this setup (its shardext_declare_patches declared none here)"
-        )
+        notes.append("note: declared no patches on this setup (its shardext_declare_patches declared none here)")
     return notes
 
 
@@ -290,7 +292,9 @@ def _command_list(args: argparse.Namespace, out: TextIO) -> int:
     handlers: list[dict[str, Any]] = []
     plugins: list[dict[str, Any]] = []
     if registry is not None:
-        handlers = _inspect("reading ShardTensor's registries", errors, lambda: _inventory().handler_rows(registry, _runner(errors)), [])
+        handlers = _inspect(
+            "reading ShardTensor's registries", errors, lambda: _inventory().handler_rows(registry, _runner(errors)), []
+        )
         plugins = _inspect("reading the plugin reports", errors, lambda: _inventory().plugin_rows(registry), [])
     if args.plugin:
         handlers = [h for h in handlers if h["provider"] == args.plugin or args.plugin in (h.get("claimants") or [])]
@@ -309,7 +313,9 @@ def _doctor_data(errors: list[str]) -> dict[str, Any]:
     registry = _registry(errors)
     report: dict[str, Any] = {}
     if registry is not None:
-        report = _inspect("building the report", errors, lambda: _inventory().doctor_report(registry, _runner(errors)), {})
+        report = _inspect(
+            "building the report", errors, lambda: _inventory().doctor_report(registry, _runner(errors)), {}
+        )
     return {"schema_version": JSON_SCHEMA_VERSION, **report, "errors": errors}
 
 
@@ -385,8 +391,10 @@ def _command_doctor(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"  {name:22} {version}\n")
         support = report.get("torch_support") or {}
         if support.get("in_declared_range") is False:
-            out.write(f"  torch {support['torch']} (release {support['release']}) is OUTSIDE the range this package "
-                      f"declares and tests, torch{support['declared']}\n")
+            out.write(
+                f"  torch {support['torch']} (release {support['release']}) is OUTSIDE the range this package "
+                f"declares and tests, torch{support['declared']}\n"
+            )
         out.write("Backends\n")
         for name, available in report["backends"].items():
             out.write(f"  {name:22} {available}\n")

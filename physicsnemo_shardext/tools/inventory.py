@@ -32,14 +32,14 @@ from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext import shard_registries
 from physicsnemo_shardext.engine.baseline import baseline, handler_origin
-from physicsnemo_shardext.engine.requirements import installed_version
-from physicsnemo_shardext.torch_support import support_report
 from physicsnemo_shardext.engine.provenance import InstalledPatch, LoadStatus, PluginInfo
 from physicsnemo_shardext.engine.registry import PatchRegistry, plugin_index, plugin_of
+from physicsnemo_shardext.engine.requirements import installed_version
+from physicsnemo_shardext.engine.trace import untraced
 from physicsnemo_shardext.settings import Settings
 from physicsnemo_shardext.shard_registries import PatchLevel
 from physicsnemo_shardext.targets import describe_handler, describe_target
-from physicsnemo_shardext.engine.trace import untraced
+from physicsnemo_shardext.torch_support import support_report
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -52,11 +52,24 @@ from torch.utils._pytree import tree_leaves
 
 from physicsnemo_shardext.comparison import RULE, Tolerance, compare, exact_float32
 from physicsnemo_shardext.errors import MissingShardPatch
-from physicsnemo_shardext.tools.op_trace import IGNORED_CALLS, CallSite, OpSite, OpTracer, find_call_site, registry_provider
 from physicsnemo_shardext.testing.model_init import without_random_masks
+from physicsnemo_shardext.tools.op_trace import (
+    IGNORED_CALLS,
+    CallSite,
+    OpSite,
+    OpTracer,
+    find_call_site,
+    registry_provider,
+)
 
 __all__ = [
-    "REPORT_SCHEMA", "REPORT_VERSION", "BadInput", "VerifyConfig", "check_model", "load_factory", "split_sizes",
+    "REPORT_SCHEMA",
+    "REPORT_VERSION",
+    "BadInput",
+    "VerifyConfig",
+    "check_model",
+    "load_factory",
+    "split_sizes",
 ]
 
 REPORT_SCHEMA = "physicsnemo-shardext/verify"
@@ -97,8 +110,9 @@ class VerifyConfig:
             Tolerance(rtol=0.1, atol=0.02)
         """
         default = Tolerance.for_dtype(self.dtype)
-        return Tolerance(default.rtol if self.rtol is None else self.rtol,
-                         default.atol if self.atol is None else self.atol)
+        return Tolerance(
+            default.rtol if self.rtol is None else self.rtol, default.atol if self.atol is None else self.atol
+        )
 
 
 def split_sizes(length: int, parts: int, split: str) -> list[int]:
@@ -224,8 +238,11 @@ def _build(config: VerifyConfig) -> _Built:
         made = factory()
     except Exception as error:
         raise BadInput(f"factory {config.factory!r} raised {type(error).__name__}: {error}") from error
-    model, inputs = (made[0], list(made[1]) if isinstance(made[1], (list, tuple)) else [made[1]]) \
-        if isinstance(made, tuple) else (made, None)
+    model, inputs = (
+        (made[0], list(made[1]) if isinstance(made[1], (list, tuple)) else [made[1]])
+        if isinstance(made, tuple)
+        else (made, None)
+    )
     if not isinstance(model, nn.Module):
         raise BadInput(f"factory {config.factory!r} returned {type(model).__name__}, not an nn.Module")
     dtype = getattr(torch, config.dtype)
@@ -246,7 +263,9 @@ def _build(config: VerifyConfig) -> _Built:
     first = _sharded_input_index(inputs)
     for dim in config.shard_dims:
         if dim >= inputs[first].dim() or dim < -inputs[first].dim():
-            raise BadInput(f"--shard {dim}: the input has {inputs[first].dim()} dims (shape {list(inputs[first].shape)})")
+            raise BadInput(
+                f"--shard {dim}: the input has {inputs[first].dim()} dims (shape {list(inputs[first].shape)})"
+            )
     return built
 
 
@@ -277,8 +296,9 @@ def _first_tensor(output: Any) -> Tensor:
 
 def _reference(config: VerifyConfig, built: _Built) -> dict[str, Any]:
     model = copy.deepcopy(built.model)
-    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
-              for x in built.inputs]
+    inputs = [
+        x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x for x in built.inputs
+    ]
     counter = _PlainCounter()
     try:
         with counter:
@@ -295,7 +315,11 @@ def _reference(config: VerifyConfig, built: _Built) -> dict[str, Any]:
             f"the model fails single-process on input shape(s) {shape}: {type(error).__name__}: {error}"
         ) from error
     return {
-        "model": model, "inputs": inputs, "output": output, "loss": loss.detach(), "target": target,
+        "model": model,
+        "inputs": inputs,
+        "output": output,
+        "loss": loss.detach(),
+        "target": target,
         "op_calls": counter.calls,
     }
 
@@ -307,7 +331,9 @@ class _PlainCounter(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.calls = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if getattr(func, "__name__", "") not in IGNORED_CALLS:
             self.calls += 1
         return func(*args, **(kwargs or {}))
@@ -321,7 +347,9 @@ def _mesh(config: VerifyConfig) -> Any:
     return init_device_mesh(device, tuple(config.mesh), mesh_dim_names=names)
 
 
-def _sharded(config: VerifyConfig, built: _Built, reference: dict[str, Any], progress: Callable[[int], None]) -> dict[str, Any]:
+def _sharded(
+    config: VerifyConfig, built: _Built, reference: dict[str, Any], progress: Callable[[int], None]
+) -> dict[str, Any]:
     from physicsnemo_shardext import get_registry
     from physicsnemo_shardext.testing.sharding import shard_tensor
 
@@ -331,9 +359,12 @@ def _sharded(config: VerifyConfig, built: _Built, reference: dict[str, Any], pro
     first = _sharded_input_index(built.inputs)
     full = built.inputs[first]
     dims = [d % full.dim() for d in config.shard_dims]
-    sizes = {mesh_dim: split_sizes(full.shape[d], config.mesh[mesh_dim], config.split if len(dims) == 1 else
-                                   _split_for(config.split, mesh_dim))
-             for mesh_dim, d in enumerate(dims)}
+    sizes = {
+        mesh_dim: split_sizes(
+            full.shape[d], config.mesh[mesh_dim], config.split if len(dims) == 1 else _split_for(config.split, mesh_dim)
+        )
+        for mesh_dim, d in enumerate(dims)
+    }
     placements = [Shard(d) for d in dims]
     inputs = []
     for index, x in enumerate(built.inputs):
@@ -393,7 +424,9 @@ def _target_like(target: Tensor, output: Any) -> Any:
         return shard_tensor(target, output.device_mesh, placements, sizes or None)
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(target, output.device_mesh, [p if isinstance(p, Shard) else Replicate() for p in placements])
+    return distribute_tensor(
+        target, output.device_mesh, [p if isinstance(p, Shard) else Replicate() for p in placements]
+    )
 
 
 def _is_distributed(value: Any) -> bool:
@@ -412,13 +445,27 @@ def _compare(config: VerifyConfig, reference: dict[str, Any], sharded: dict[str,
 
     def add(name: str, value: Any, expected: Any) -> None:
         if value is None and expected is None:
-            rows.append({"tensor": name, "max_abs_error": None, "relative_error": 0.0, "ok": True,
-                         "detail": "no gradient in either run (unused)"})
+            rows.append(
+                {
+                    "tensor": name,
+                    "max_abs_error": None,
+                    "relative_error": 0.0,
+                    "ok": True,
+                    "detail": "no gradient in either run (unused)",
+                }
+            )
             return
         if value is None or expected is None:
             missing = "sharded run" if value is None else "reference"
-            rows.append({"tensor": name, "max_abs_error": None, "relative_error": float("inf"), "ok": False,
-                         "detail": f"no gradient in the {missing}"})
+            rows.append(
+                {
+                    "tensor": name,
+                    "max_abs_error": None,
+                    "relative_error": float("inf"),
+                    "ok": False,
+                    "detail": f"no gradient in the {missing}",
+                }
+            )
             return
         value = _full(value).detach().cpu()
         expected = expected.detach().cpu()
@@ -427,10 +474,18 @@ def _compare(config: VerifyConfig, reference: dict[str, Any], sharded: dict[str,
         if not detail and not result.passed:
             where = f", worst at {list(result.worst_index)}" if result.worst_index else ""
             detail = f"{result.mismatched} of {result.numel} elements outside atol + rtol*|r|{where}"
-        rows.append({"tensor": name, "max_abs_error": result.max_abs_error, "relative_error": result.max_rel_error,
-                     "ok": result.passed, "detail": detail,
-                     "worst_index": None if result.worst_index is None else list(result.worst_index),
-                     "elements_outside": result.mismatched, "description": result.describe()})
+        rows.append(
+            {
+                "tensor": name,
+                "max_abs_error": result.max_abs_error,
+                "relative_error": result.max_rel_error,
+                "ok": result.passed,
+                "detail": detail,
+                "worst_index": None if result.worst_index is None else list(result.worst_index),
+                "elements_outside": result.mismatched,
+                "description": result.describe(),
+            }
+        )
 
     add("loss", sharded["loss"], reference["loss"])
     outputs = [t for t in tree_leaves(sharded["output"]) if isinstance(t, Tensor)]
@@ -513,8 +568,9 @@ def _rank_record(config: VerifyConfig, built: _Built, sharded: dict[str, Any]) -
             "message": str(error),
             "op": site.op if site else None,
             "configuration": site.configuration if site else "",
-            "site": None if caller is None else {"file": caller.file, "line": caller.line,
-                                                 "function": caller.function, "code": caller.code},
+            "site": None
+            if caller is None
+            else {"file": caller.file, "line": caller.line, "function": caller.function, "code": caller.code},
         }
     return record
 
@@ -551,9 +607,13 @@ def build_report(config: VerifyConfig, ranks: list[dict[str, Any]]) -> dict[str,
         ('bad-input', 3, 1)
     """
     report: dict[str, Any] = {
-        "schema": REPORT_SCHEMA, "schema_version": REPORT_VERSION,
-        "config": {key: (list(value) if isinstance(value, tuple) else value)
-                   for key, value in asdict(config).items() if key != "progress_path"},
+        "schema": REPORT_SCHEMA,
+        "schema_version": REPORT_VERSION,
+        "config": {
+            key: (list(value) if isinstance(value, tuple) else value)
+            for key, value in asdict(config).items()
+            if key != "progress_path"
+        },
         "tolerance": config.tolerance.rtol,
         "rtol": config.tolerance.rtol,
         "atol": config.tolerance.atol,
@@ -562,8 +622,16 @@ def build_report(config: VerifyConfig, ranks: list[dict[str, Any]]) -> dict[str,
     }
     bad = [r["bad_input"] for r in ranks if r.get("bad_input")]
     if bad:
-        report.update(status="bad-input", exit_code=EXIT_CODES["bad-input"], error={"message": bad[0]},
-                      ops=[], comparison=[], totals={}, next_steps=[], notes=[])
+        report.update(
+            status="bad-input",
+            exit_code=EXIT_CODES["bad-input"],
+            error={"message": bad[0]},
+            ops=[],
+            comparison=[],
+            totals={},
+            next_steps=[],
+            notes=[],
+        )
         report["summary"] = f"BAD INPUT: {bad[0]}"
         return report
     first = ranks[0]
@@ -612,7 +680,9 @@ def _merge_sites(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def _totals(ops: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     per_rank = {
-        phase: {what: [sum(op[phase][what][r] for op in ops) for r in range(ranks)] for what in ("collectives", "bytes")}
+        phase: {
+            what: [sum(op[phase][what][r] for op in ops) for r in range(ranks)] for what in ("collectives", "bytes")
+        }
         for phase in ("forward", "backward")
     }
     return {
@@ -648,19 +718,27 @@ def _where(site: dict[str, Any] | None) -> str:
 
 def _next_steps(report: dict[str, Any]) -> list[str]:
     steps = []
-    flagged = [op for op in report["ops"]
-               if op["error"] or op["activation_gathers"] or (op["provider_kind"] == "dtensor" and not op["stayed_sharded"])]
+    flagged = [
+        op
+        for op in report["ops"]
+        if op["error"] or op["activation_gathers"] or (op["provider_kind"] == "dtensor" and not op["stayed_sharded"])
+    ]
     for op in flagged[:5]:
-        why = "raised" if op["error"] else ("gathers a whole activation" if op["activation_gathers"] else
-                                             "replicates a whole activation")
+        why = (
+            "raised"
+            if op["error"]
+            else ("gathers a whole activation" if op["activation_gathers"] else "replicates a whole activation")
+        )
         steps.append(f"{op['op']} ({_where(op['site'])}) {why} under {op['handler']}: write a patch for it")
     if flagged:
         steps.append("start a plugin with `shardext new my-patches` and follow docs/writing-a-plugin.md")
     if report["status"] == "mismatch":
         worst = report["comparison"][0]
         plugins = sorted({op["provider"] for op in report["ops"] if op["provider_kind"] == "plugin"})
-        steps.append(f"the worst tensor is {worst['tensor']}; plugin handlers that ran: {', '.join(plugins) or 'none'}; "
-                     "rerun with SHARDEXT_DISABLE=<plugin> to find the culprit")
+        steps.append(
+            f"the worst tensor is {worst['tensor']}; plugin handlers that ran: {', '.join(plugins) or 'none'}; "
+            "rerun with SHARDEXT_DISABLE=<plugin> to find the culprit"
+        )
     return steps
 
 
@@ -670,9 +748,11 @@ def _summary(report: dict[str, Any]) -> str:
     head = {"match": "MATCH", "mismatch": "MISMATCH", "unsupported": "UNSUPPORTED"}[report["status"]]
     fwd = max(totals["forward"]["bytes"], default=0)
     bwd = max(totals["backward"]["bytes"], default=0)
-    text = (f"{head}: {totals['calls']} calls at {totals['sites']} op sites ({providers}); "
-            f"{totals['activation_gathers']} activation gather(s); "
-            f"max bytes per rank: forward {fwd}, backward {bwd}")
+    text = (
+        f"{head}: {totals['calls']} calls at {totals['sites']} op sites ({providers}); "
+        f"{totals['activation_gathers']} activation gather(s); "
+        f"max bytes per rank: forward {fwd}, backward {bwd}"
+    )
     if report["status"] == "unsupported":
         error = report["error"]
         text += f"; first error: {error['type']} in {error['op'] or '?'} at {_where(error['site'])}"

@@ -33,8 +33,8 @@ Examples:
 
 from __future__ import annotations
 
-import linecache
 import importlib
+import linecache
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -42,20 +42,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import physicsnemo.domain_parallel as _domain_parallel
 import torch
+from physicsnemo.domain_parallel import ShardTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-import physicsnemo.domain_parallel as _domain_parallel
-from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
 from physicsnemo_shardext.engine.baseline import handler_origin
-from physicsnemo_shardext.shard_registries import PatchLevel
-from physicsnemo_shardext.targets import describe_handler, describe_target
+from physicsnemo_shardext.engine.trace import HandlerCall, HandlerRecorder
 from physicsnemo_shardext.ranks.activation_gathers import GatherRecorder
 from physicsnemo_shardext.ranks.comm_accounting import CommCounter
-from physicsnemo_shardext.engine.trace import HandlerCall, HandlerRecorder
+from physicsnemo_shardext.shard_registries import PatchLevel
+from physicsnemo_shardext.targets import describe_handler, describe_target
 
 __all__ = ["IGNORED_CALLS", "CallSite", "OpSite", "OpTracer", "describe_call", "find_call_site", "output_layout"]
 
@@ -75,13 +74,43 @@ except ImportError:  # pragma: no cover - installed without the first-party patc
     pass
 
 #: Names of calls that read attributes or do bookkeeping: never recorded as ops.
-IGNORED_CALLS = frozenset({
-    "__get__", "__set__", "__repr__", "__format__", "__len__", "__bool__", "__iter__", "__hash__",
-    "size", "dim", "ndimension", "numel", "stride", "is_contiguous", "element_size", "data_ptr",
-    "requires_grad_", "register_hook", "retain_grad", "backward", "full_tensor", "to_local",
-    "redistribute", "tolist", "item", "__reduce_ex__", "__deepcopy__", "storage_offset",
-    "is_floating_point", "is_complex", "get_device", "type", "__contains__",
-})
+IGNORED_CALLS = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "__repr__",
+        "__format__",
+        "__len__",
+        "__bool__",
+        "__iter__",
+        "__hash__",
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "stride",
+        "is_contiguous",
+        "element_size",
+        "data_ptr",
+        "requires_grad_",
+        "register_hook",
+        "retain_grad",
+        "backward",
+        "full_tensor",
+        "to_local",
+        "redistribute",
+        "tolist",
+        "item",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "storage_offset",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "type",
+        "__contains__",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -155,8 +184,11 @@ def _placement_name(placement: Any) -> str:
 
 def _sharded_numel(value: Any) -> int:
     """The global size of the largest sharded floating-point tensor in ``value`` (0 if none)."""
-    sizes = [leaf.numel() for leaf in _distributed_leaves(value)
-             if leaf.is_floating_point() and any(isinstance(p, Shard) for p in leaf.placements)]
+    sizes = [
+        leaf.numel()
+        for leaf in _distributed_leaves(value)
+        if leaf.is_floating_point() and any(isinstance(p, Shard) for p in leaf.placements)
+    ]
     return max(sizes, default=0)
 
 
@@ -230,19 +262,35 @@ class OpSite:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the ``ops`` entries of the verify report)."""
-        site = None if self.site is None else {
-            "file": self.site.file, "line": self.site.line, "function": self.site.function, "code": self.site.code,
-        }
+        site = (
+            None
+            if self.site is None
+            else {
+                "file": self.site.file,
+                "line": self.site.line,
+                "function": self.site.function,
+                "code": self.site.code,
+            }
+        )
         return {
-            "index": self.index, "op": self.op, "site": site, "calls": self.calls,
-            "handler": self.handler, "provider_kind": self.provider_kind, "provider": self.provider,
-            "output": self.output, "placements": self.placements, "stayed_sharded": self.stayed_sharded,
+            "index": self.index,
+            "op": self.op,
+            "site": site,
+            "calls": self.calls,
+            "handler": self.handler,
+            "provider_kind": self.provider_kind,
+            "provider": self.provider,
+            "output": self.output,
+            "placements": self.placements,
+            "stayed_sharded": self.stayed_sharded,
             "replicated_calls": self.replicated_calls,
             "forward": {"collectives": self.forward_collectives, "bytes": self.forward_bytes},
             "backward": {"collectives": self.backward_collectives, "bytes": self.backward_bytes},
             "collectives": dict(self.collective_names),
-            "activation_gathers": self.gathers, "gathered_elements": self.gathered_elements,
-            "error": self.error, "configuration": self.configuration,
+            "activation_gathers": self.gathers,
+            "gathered_elements": self.gathered_elements,
+            "error": self.error,
+            "configuration": self.configuration,
         }
 
 
@@ -253,7 +301,9 @@ class _SiteCounter(CommCounter):  # type: ignore[no-untyped-call]
         super().__init__()
         self.gathers = GatherRecorder()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         result = super().__torch_dispatch__(func, types, args, kwargs)
         if result is not NotImplemented:
             from physicsnemo_shardext.ranks.activation_gathers import _classify
@@ -294,7 +344,9 @@ class OpTracer(TorchFunctionMode):
         self.site_override: CallSite | None = None  # set by a harness for calls it makes itself
 
     # -- forward ------------------------------------------------------------------------
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in IGNORED_CALLS or not _distributed_leaves((args, kwargs)):
@@ -365,7 +417,8 @@ class OpTracer(TorchFunctionMode):
         for key, count in counter.stats.counts.items():
             site.collective_names[key] = site.collective_names.get(key, 0) + count
         whole = [
-            leaf.numel() for leaf in _distributed_leaves((args, kwargs))
+            leaf.numel()
+            for leaf in _distributed_leaves((args, kwargs))
             if leaf.is_floating_point() and any(isinstance(p, Shard) for p in leaf.placements)
         ]
         if whole:
@@ -456,8 +509,8 @@ def _default_provider(handler: Any) -> tuple[str, str]:
 
 def registry_provider(registry: Any) -> Callable[[Any], tuple[str, str]]:
     """A ``provider_of`` for `OpTracer` that names the plugin (and distribution) behind a handler."""
-    from physicsnemo_shardext.tools.inventory import plugin_index
     from physicsnemo_shardext.engine.trace import untraced
+    from physicsnemo_shardext.tools.inventory import plugin_index
 
     index = plugin_index(registry)
 

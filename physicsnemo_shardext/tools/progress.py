@@ -89,8 +89,9 @@ class ProgressBar:
         '[   12s] starting 2 ranks\\n'
     """
 
-    def __init__(self, stream: TextIO | None = None, *, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, *, enabled: bool = True, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._stream = stream
         self.enabled = enabled
         self._clock = clock
@@ -202,8 +203,9 @@ class ProgressFeed:
         [('single-process reference', 0, 0), ('sharded forward', 3, 12)]
     """
 
-    def __init__(self, path: str | os.PathLike[str], on_record: Callable[[str, int, int], None], *,
-                 interval: float = 0.25) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], on_record: Callable[[str, int, int], None], *, interval: float = 0.25
+    ) -> None:
         self.path = Path(path)
         self.on_record = on_record
         self.interval = interval

@@ -189,17 +189,23 @@ def plugin_names(name: str) -> PluginNames:
     if plugin in reserved:
         raise ScaffoldError(f"{name!r} is the name of a first-party plugin of {DISTRIBUTION_NAME}; pick another name")
     if plugin in _PROVIDER_LABELS:
-        raise ScaffoldError(f"{name!r} is what `shardext list` calls handlers that no plugin provides; pick another name")
+        raise ScaffoldError(
+            f"{name!r} is what `shardext list` calls handlers that no plugin provides; pick another name"
+        )
     version = _installed_version(name)
     if version is not None:
-        raise ScaffoldError(f"a distribution named {name!r} is already installed (version {version}); pick another name")
+        raise ScaffoldError(
+            f"a distribution named {name!r} is already installed (version {version}); pick another name"
+        )
     owners = sorted(
         ep.dist.name if ep.dist is not None else "?"
         for ep in metadata.entry_points(group=PROJECT_NAME)
         if _normalized(ep.name) == plugin
     )
     if owners:
-        raise ScaffoldError(f"the plugin name {plugin!r} is already published by {', '.join(owners)}; pick another name")
+        raise ScaffoldError(
+            f"the plugin name {plugin!r} is already published by {', '.join(owners)}; pick another name"
+        )
     origin = _shadowed_module(module)
     if origin is not None:
         raise ScaffoldError(f"the module name {module!r} would shadow the module from {origin}; pick another name")

@@ -72,27 +72,46 @@ def parse_mesh(text: str | None, ranks: int, dims: int = 1) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``shardext verify`` (documented in ``docs/reference/cli.md``)."""
-    parser.add_argument("factory", metavar="MODULE:FACTORY",
-                        help="callable returning the model, or (model, inputs); MODULE may be path/to/file.py")
+    parser.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="callable returning the model, or (model, inputs); MODULE may be path/to/file.py",
+    )
     parser.add_argument("--input", metavar="SHAPE", help="input shape, e.g. 1x3x256x256 (seeded randn)")
-    parser.add_argument("--shard", metavar="DIM", type=int, action="append",
-                        help="input dim to shard (repeat for a 2-D mesh); default 2")
+    parser.add_argument(
+        "--shard",
+        metavar="DIM",
+        type=int,
+        action="append",
+        help="input dim to shard (repeat for a 2-D mesh); default 2",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--mesh", metavar="AxB", help="mesh shape, one size per --shard (default: --ranks)")
-    parser.add_argument("--split", default="uneven",
-                        help="even, uneven (default) or sizes: 10,7 (one dim) or 10,7/8,8 (two)")
+    parser.add_argument(
+        "--split", default="uneven", help="even, uneven (default) or sizes: 10,7 (one dim) or 10,7/8,8 (two)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--train", dest="train", action="store_true", default=True,
-                      help="train mode (default; dropout is set to p=0)")
+    mode.add_argument(
+        "--train", dest="train", action="store_true", default=True, help="train mode (default; dropout is set to p=0)"
+    )
     mode.add_argument("--eval", dest="train", action="store_false", help="eval mode")
-    parser.add_argument("--loss", default="mse", choices=["mse", "sum"],
-                        help="mse against a seeded random target (default) or the output's sum")
+    parser.add_argument(
+        "--loss",
+        default="mse",
+        choices=["mse", "sum"],
+        help="mse against a seeded random target (default) or the output's sum",
+    )
     parser.add_argument("--rtol", type=float, help="relative tolerance (default by dtype: 1e-4 for float32)")
     parser.add_argument("--atol", type=float, help="absolute tolerance (default by dtype: 1e-5 for float32)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                        help="also load this module (or file.py:attr) as a plugin on every rank")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also load this module (or file.py:attr) as a plugin on every rank",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hanging run is stopped")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON (- for stdout)")
     parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
@@ -108,9 +127,19 @@ def config_from_args(args: argparse.Namespace, progress_path: str | None) -> Any
         raise UsageError(f"--ranks {args.ranks}: need at least 1")
     mesh = parse_mesh(args.mesh, args.ranks, len(dims))
     return VerifyConfig(
-        factory=args.factory, input_shape=parse_shape(args.input) if args.input else None, shard_dims=dims,
-        ranks=args.ranks, mesh=mesh, split=args.split, dtype=args.dtype, train=args.train, loss=args.loss,
-        rtol=args.rtol, atol=getattr(args, "atol", None), seed=args.seed, plugins=tuple(args.plugin),
+        factory=args.factory,
+        input_shape=parse_shape(args.input) if args.input else None,
+        shard_dims=dims,
+        ranks=args.ranks,
+        mesh=mesh,
+        split=args.split,
+        dtype=args.dtype,
+        train=args.train,
+        loss=args.loss,
+        rtol=args.rtol,
+        atol=getattr(args, "atol", None),
+        seed=args.seed,
+        plugins=tuple(args.plugin),
         progress_path=progress_path,
     )
 
@@ -164,9 +193,15 @@ def _run_inline(config: Any) -> dict[str, Any] | None:
 
     initialize()
     if dist.get_world_size() != config.ranks:
-        config = _replace(config, ranks=dist.get_world_size(),
-                          mesh=parse_mesh(None if len(config.shard_dims) == 1 else "x".join(map(str, config.mesh)),
-                                          dist.get_world_size(), len(config.shard_dims)))
+        config = _replace(
+            config,
+            ranks=dist.get_world_size(),
+            mesh=parse_mesh(
+                None if len(config.shard_dims) == 1 else "x".join(map(str, config.mesh)),
+                dist.get_world_size(),
+                len(config.shard_dims),
+            ),
+        )
     return check_model(_replace(config, progress_path=None))
 
 
@@ -181,7 +216,6 @@ def _run_pool(
 ) -> tuple[dict[str, Any] | None, str]:
     import json
 
-    from physicsnemo_shardext.tools import model_check
     from physicsnemo_shardext.ranks.worker import RankTask
     from physicsnemo_shardext.ranks.worker_pool import WorkerPool
 
@@ -289,8 +323,10 @@ def _short_handler(name: str) -> str:
 def render_text(report: dict[str, Any]) -> str:
     """The report as people read it in a terminal (see ``docs/reference/cli.md`` for a real one)."""
     config = report["config"]
-    lines = [f"shardext verify {config['factory']}  ({report['ranks']} ranks, {config['dtype']}, "
-             f"{'train' if config['train'] else 'eval'}, loss {config['loss']})"]
+    lines = [
+        f"shardext verify {config['factory']}  ({report['ranks']} ranks, {config['dtype']}, "
+        f"{'train' if config['train'] else 'eval'}, loss {config['loss']})"
+    ]
     if report["status"] == "bad-input":
         lines.append(report["summary"])
         return "\n".join(lines) + "\n"
@@ -307,14 +343,20 @@ def render_text(report: dict[str, Any]) -> str:
             flags.append("GATHER")
         if not op["stayed_sharded"]:
             flags.append("REPLICATED")
-        rows.append((
-            str(op["index"]), op["op"].replace("torch.nn.functional.", "F."), _short_site(op["site"]),
-            str(op["calls"]), _short_handler(op["handler"]), op["provider"].replace("physicsnemo-shardext", "shardext"),
-            op["output"],
-            f"{max(op['forward']['collectives'])}/{_size(max(op['forward']['bytes']))}",
-            f"{max(op['backward']['collectives'])}/{_size(max(op['backward']['bytes']))}",
-            " ".join(flags),
-        ))
+        rows.append(
+            (
+                str(op["index"]),
+                op["op"].replace("torch.nn.functional.", "F."),
+                _short_site(op["site"]),
+                str(op["calls"]),
+                _short_handler(op["handler"]),
+                op["provider"].replace("physicsnemo-shardext", "shardext"),
+                op["output"],
+                f"{max(op['forward']['collectives'])}/{_size(max(op['forward']['bytes']))}",
+                f"{max(op['backward']['collectives'])}/{_size(max(op['backward']['bytes']))}",
+                " ".join(flags),
+            )
+        )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -331,9 +373,11 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"  {error['message'].splitlines()[0] if error['message'] else ''}")
     if report["comparison"]:
         lines.append("")
-        lines.append(f"against single-process (|a - r| <= atol + rtol*|r| per element, rtol {report['tolerance']:.0e}, "
-                     f"atol {report.get('atol', 0.0):.0e}; relative error max|a-r|/max(max|r|, atol)), "
-                     "mismatches first:")
+        lines.append(
+            f"against single-process (|a - r| <= atol + rtol*|r| per element, rtol {report['tolerance']:.0e}, "
+            f"atol {report.get('atol', 0.0):.0e}; relative error max|a-r|/max(max|r|, atol)), "
+            "mismatches first:"
+        )
         for row in report["comparison"][:12]:
             mark = "ok" if row["ok"] else "MISMATCH"
             max_abs = "-" if row["max_abs_error"] is None else f"{row['max_abs_error']:.2e}"

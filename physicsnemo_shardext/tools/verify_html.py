@@ -49,21 +49,36 @@ def _ops_table(ops: list[dict[str, Any]]) -> str:
         css = "error" if op["error"] else ("gather" if op["activation_gathers"] or not op["stayed_sharded"] else "")
         site = op["site"] or {}
         where = f"{Path(site.get('file', '?')).name}:{site.get('line', '?')}"
-        bar = (f'<span class="bar fwd" style="width:{200 * fwd / peak:.1f}px"></span>'
-               f'<span class="bar bwd" style="width:{200 * bwd / peak:.1f}px"></span>')
+        bar = (
+            f'<span class="bar fwd" style="width:{200 * fwd / peak:.1f}px"></span>'
+            f'<span class="bar bwd" style="width:{200 * bwd / peak:.1f}px"></span>'
+        )
         rows.append(
             f'<tr class="{css}"><td class="num">{op["index"]}</td><td><code>{escape(op["op"])}</code></td>'
             f'<td title="{escape(site.get("code", ""))}">{escape(where)}</td><td class="num">{op["calls"]}</td>'
-            f'<td>{escape(op["handler"])}</td><td>{escape(op["provider"])}</td><td>{escape(op["output"])}</td>'
+            f"<td>{escape(op['handler'])}</td><td>{escape(op['provider'])}</td><td>{escape(op['output'])}</td>"
             f'<td class="num">{max(op["forward"]["collectives"])} / {_size(fwd)}</td>'
             f'<td class="num">{max(op["backward"]["collectives"])} / {_size(bwd)}</td>'
             f'<td class="num">{op["activation_gathers"]}</td><td>{bar}</td></tr>'
         )
-    head = ("#", "op", "site", "calls", "handler", "provider", "output", "fwd coll / bytes", "bwd coll / bytes",
-            "gathers", "bytes per rank (max)")
-    return ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
-            '<p><span class="bar fwd" style="width:20px"></span> forward '
-            '<span class="bar bwd" style="width:20px"></span> backward</p>')
+    head = (
+        "#",
+        "op",
+        "site",
+        "calls",
+        "handler",
+        "provider",
+        "output",
+        "fwd coll / bytes",
+        "bwd coll / bytes",
+        "gathers",
+        "bytes per rank (max)",
+    )
+    return (
+        "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+        '<p><span class="bar fwd" style="width:20px"></span> forward '
+        '<span class="bar bwd" style="width:20px"></span> backward</p>'
+    )
 
 
 def _comparison_table(rows: list[dict[str, Any]], rtol: float, atol: float | None) -> str:
@@ -71,14 +86,19 @@ def _comparison_table(rows: list[dict[str, Any]], rtol: float, atol: float | Non
     for row in rows:
         mark = '<span class="ok">ok</span>' if row["ok"] else '<span class="bad">MISMATCH</span>'
         max_abs = "-" if row["max_abs_error"] is None else f"{row['max_abs_error']:.2e}"
-        body.append(f'<tr><td>{mark}</td><td><code>{escape(row["tensor"])}</code></td>'
-                    f'<td class="num">{row["relative_error"]:.2e}</td><td class="num">{max_abs}</td>'
-                    f'<td>{escape(row.get("detail") or "")}</td></tr>')
+        body.append(
+            f"<tr><td>{mark}</td><td><code>{escape(row['tensor'])}</code></td>"
+            f'<td class="num">{row["relative_error"]:.2e}</td><td class="num">{max_abs}</td>'
+            f"<td>{escape(row.get('detail') or '')}</td></tr>"
+        )
     bound = "" if atol is None else f", atol {atol:.0e}"
-    return (f"<p>Equal when |a&minus;r| &le; atol + rtol&middot;|r| for every element (rtol {rtol:.0e}{bound}); "
-            "relative error max|a&minus;r| / max(max|r|, atol); mismatches first.</p>"
-            "<table><tr><th></th><th>tensor</th><th>relative</th><th>max abs</th><th></th></tr>"
-            + "".join(body) + "</table>")
+    return (
+        f"<p>Equal when |a&minus;r| &le; atol + rtol&middot;|r| for every element (rtol {rtol:.0e}{bound}); "
+        "relative error max|a&minus;r| / max(max|r|, atol); mismatches first.</p>"
+        "<table><tr><th></th><th>tensor</th><th>relative</th><th>max abs</th><th></th></tr>"
+        + "".join(body)
+        + "</table>"
+    )
 
 
 def _error_block(error: dict[str, Any] | None) -> str:
@@ -86,10 +106,12 @@ def _error_block(error: dict[str, Any] | None) -> str:
         return ""
     site = error.get("site") or {}
     where = f"{escape(site.get('file', '?'))}:{site.get('line', '?')} in {escape(site.get('function', '?'))}"
-    return (f"<h2>First error</h2><p><b>{escape(error['type'])}</b> in <code>{escape(error.get('op') or '?')}</code>"
-            f" at {where}</p><pre>{escape(site.get('code', ''))}</pre>"
-            f"<p>configuration: <code>{escape(error.get('configuration') or '')}</code></p>"
-            f"<pre>{escape(error.get('message', ''))}</pre>")
+    return (
+        f"<h2>First error</h2><p><b>{escape(error['type'])}</b> in <code>{escape(error.get('op') or '?')}</code>"
+        f" at {where}</p><pre>{escape(site.get('code', ''))}</pre>"
+        f"<p>configuration: <code>{escape(error.get('configuration') or '')}</code></p>"
+        f"<pre>{escape(error.get('message', ''))}</pre>"
+    )
 
 
 def render_html(report: dict[str, Any]) -> str:
@@ -102,14 +124,18 @@ def render_html(report: dict[str, Any]) -> str:
         f'<p class="summary {escape(report["status"])}">{escape(report["summary"])}</p>',
     ]
     if report.get("split"):
-        parts.append(f"<p>{report.get('ranks')} ranks, input split {escape(str(report['split']))}, "
-                     f"{escape(str(config.get('dtype')))}, loss {escape(str(config.get('loss')))}</p>")
+        parts.append(
+            f"<p>{report.get('ranks')} ranks, input split {escape(str(report['split']))}, "
+            f"{escape(str(config.get('dtype')))}, loss {escape(str(config.get('loss')))}</p>"
+        )
     parts.append(_error_block(report.get("error")))
     if report.get("ops"):
         parts.append("<h2>Ops in call order</h2>" + _ops_table(report["ops"]))
     if report.get("comparison"):
-        parts.append("<h2>Against single-process</h2>" + _comparison_table(report["comparison"], report["tolerance"],
-                                                                              report.get("atol")))
+        parts.append(
+            "<h2>Against single-process</h2>"
+            + _comparison_table(report["comparison"], report["tolerance"], report.get("atol"))
+        )
     if report.get("next_steps"):
         parts.append("<h2>Next</h2><ul>" + "".join(f"<li>{escape(s)}</li>" for s in report["next_steps"]) + "</ul>")
     parts.append("</body></html>\n")

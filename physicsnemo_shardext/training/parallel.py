@@ -181,11 +181,15 @@ def factorize(world_size: int, ddp: int | None = None, domain: int | None = None
     known_name, known = ("ddp", d) if d is not None else ("domain", m)
     assert known is not None
     if world_size % known:
-        raise ValueError(f"cannot split {world_size} ranks with {known_name} {known}: {known} does not divide {world_size}")
+        raise ValueError(
+            f"cannot split {world_size} ranks with {known_name} {known}: {known} does not divide {world_size}"
+        )
     return (known, world_size // known) if known_name == "ddp" else (world_size // known, known)
 
 
-def build_layout(ddp: int | None = None, domain: int | None = None, *, device_type: str | None = None) -> ParallelLayout:
+def build_layout(
+    ddp: int | None = None, domain: int | None = None, *, device_type: str | None = None
+) -> ParallelLayout:
     """Build the ``("ddp", "domain")`` mesh over all ranks.
 
     ``torch.distributed`` must be initialized (``physicsnemo_shardext.initialize()``).
@@ -257,7 +261,9 @@ def _group_sample(batch: torch.Tensor, layout: ParallelLayout, broadcast: bool) 
     sample = batch.detach()[layout.ddp_rank : layout.ddp_rank + 1]
     device_type = layout.mesh.device_type
     if sample.device.type != device_type:
-        sample = sample.to(torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type)
+        sample = sample.to(
+            torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
+        )
     if broadcast and layout.domain_size > 1:
         sample = sample.contiguous().clone()
         dist.broadcast(sample, src=layout.domain_source_rank, group=layout.domain_mesh.get_group())
@@ -568,7 +574,12 @@ def _has_dtensor_parameters(model: nn.Module) -> bool:
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, layout: ParallelLayout, *, step: int
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: ParallelLayout,
+    *,
+    step: int,
 ) -> None:
     """Save model, optimizer and step. Collective: every rank calls it.
 

@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from physicsnemo_shardext.comparison import Comparison, Tolerance, compare, exact_float32
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.torch_support import compiles_empty_shards
 from physicsnemo_shardext.training.parallel import (
     ParallelLayout,
     ddp_mean,
@@ -72,7 +73,6 @@ from physicsnemo_shardext.training.parallel import (
     scatter_target,
     wrap_model,
 )
-from physicsnemo_shardext.torch_support import compiles_empty_shards
 
 __all__ = ["TensorError", "TrainingReport", "relative_error", "verify_training"]
 
@@ -203,7 +203,8 @@ class TrainingReport:
         lines = [
             f"{kind} check {verdict} (wrapper={self.wrapper!r}, mesh ddp={self.mesh_shape[0]} x "
             f"domain={self.mesh_shape[1]}, {len(self.losses)} step(s), rtol={self.rtol:g}"
-            + ("" if self.atol is None else f", atol={self.atol:g}") + ")"
+            + ("" if self.atol is None else f", atol={self.atol:g}")
+            + ")"
         ]
         fmt = ", ".join
         lines.append(
@@ -277,8 +278,9 @@ def _fingerprint(tensor: Tensor) -> list[float]:
 def _check_identical_batches(batches: Sequence[tuple[Tensor, Tensor]], steps: int, device: torch.device) -> None:
     """Raise on every rank if the batches used differ across ranks (compared by fingerprints, one all-gather)."""
     used = [batches[step % len(batches)] for step in range(min(steps, len(batches)))]
-    local = torch.tensor([v for x, y in used for v in (*_fingerprint(x), *_fingerprint(y))], dtype=torch.float64,
-                         device=device)
+    local = torch.tensor(
+        [v for x, y in used for v in (*_fingerprint(x), *_fingerprint(y))], dtype=torch.float64, device=device
+    )
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
@@ -394,9 +396,7 @@ def verify_training(
     reference = copy.deepcopy(model)
     compute_dtype = autocast_dtype or next((p.dtype for p in model.parameters()), torch.float32)
     tolerance = Tolerance(rtol, Tolerance.for_dtype(compute_dtype).atol if atol is None else atol)
-    wrapped = wrap_model(
-        model, layout, wrapper, spatial_parameters=spatial_parameters, spatial_dim=spatial_dim
-    )
+    wrapped = wrap_model(model, layout, wrapper, spatial_parameters=spatial_parameters, spatial_dim=spatial_dim)
     run: Callable[..., Any] = wrapped
     reference_run: Callable[..., Any] = reference
     if compile:
@@ -464,11 +464,14 @@ def verify_training(
         return [compare(a, r, tolerance, check_dtype=False) for a, r in pairs.values()]
 
     measured = [*measure(output_pairs), *measure(gradient_pairs), *measure(parameter_pairs)]
-    measured_losses = [compare(torch.tensor(a, dtype=torch.float64), torch.tensor(r, dtype=torch.float64), tolerance)
-                       for a, r in zip(losses, reference_losses)]
+    measured_losses = [
+        compare(torch.tensor(a, dtype=torch.float64), torch.tensor(r, dtype=torch.float64), tolerance)
+        for a, r in zip(losses, reference_losses)
+    ]
     # One all-reduce (max) of (max abs, relative, failed) per tensor and loss: the same report on every rank.
-    flat = [v for c in [*measured, *measured_losses]
-            for v in (c.max_abs_error, c.max_rel_error, 0.0 if c.passed else 1.0)]
+    flat = [
+        v for c in [*measured, *measured_losses] for v in (c.max_abs_error, c.max_rel_error, 0.0 if c.passed else 1.0)
+    ]
     flat = _max_over_ranks(flat, device)
     reduced = [TensorError(flat[3 * i], flat[3 * i + 1], flat[3 * i + 2] == 0.0) for i in range(len(measured))]
     loss_rows = range(len(measured), len(measured) + len(measured_losses))
@@ -492,4 +495,3 @@ def verify_training(
         atol=tolerance.atol,
         loss_passed=loss_passed,
     )
-

@@ -69,11 +69,18 @@ def test_the_stored_table_is_what_torch_documents(torch_table):
 def test_the_table_covers_the_aliases_the_issue_names():
     named = {(source, alias) for source, alias, _ in ALIAS_PAIRS}
     assert {
-        ("torch.cat", "torch.concat"), ("torch.cat", "torch.concatenate"), ("torch.transpose", "torch.swapaxes"),
-        ("torch.transpose", "torch.swapdims"), ("torch.Tensor.transpose", "torch.Tensor.swapaxes"),
-        ("torch.movedim", "torch.moveaxis"), ("torch.abs", "torch.absolute"), ("torch.clamp", "torch.clip"),
-        ("torch.Tensor.clamp", "torch.Tensor.clip"), ("torch.sigmoid", "torch.special.expit"),
-        ("torch.tanh", "torch.nn.functional.tanh"), ("torch.nn.functional.layer_norm", "torch.layer_norm"),
+        ("torch.cat", "torch.concat"),
+        ("torch.cat", "torch.concatenate"),
+        ("torch.transpose", "torch.swapaxes"),
+        ("torch.transpose", "torch.swapdims"),
+        ("torch.Tensor.transpose", "torch.Tensor.swapaxes"),
+        ("torch.movedim", "torch.moveaxis"),
+        ("torch.abs", "torch.absolute"),
+        ("torch.clamp", "torch.clip"),
+        ("torch.Tensor.clamp", "torch.Tensor.clip"),
+        ("torch.sigmoid", "torch.special.expit"),
+        ("torch.tanh", "torch.nn.functional.tanh"),
+        ("torch.nn.functional.layer_norm", "torch.layer_norm"),
     } <= named
     assert len(ALIAS_PAIRS) > 100
 
@@ -90,8 +97,10 @@ def test_every_alias_of_a_patched_function_reaches_the_same_handler(torch_table)
                 continue
             if table.get(alias) is not handler:
                 reached = table.get(alias)
-                wrong.append(f"{describe_target(target)} -> {getattr(handler, '__qualname__', handler)}, but its "
-                             f"alias {name} -> {getattr(reached, '__qualname__', 'the DTensor fallback')}")
+                wrong.append(
+                    f"{describe_target(target)} -> {getattr(handler, '__qualname__', handler)}, but its "
+                    f"alias {name} -> {getattr(reached, '__qualname__', 'the DTensor fallback')}"
+                )
     assert checked > 20
     assert not wrong, "aliases that do not reach their op's handler:\n" + "\n".join(wrong)
 
@@ -119,7 +128,8 @@ def test_implied_entries_prefer_the_canonical_op_whatever_the_order():
     for declared in ({torch.concat: "concat", torch.cat: "cat"}, {torch.cat: "cat", torch.concat: "concat"}):
         assert implied_entries(declared) == {torch.concatenate: (torch.cat, "cat")}
     assert implied_entries({torch.special.expit: "expit"}) == {
-        torch.sigmoid: (torch.special.expit, "expit"), F.sigmoid: (torch.special.expit, "expit")
+        torch.sigmoid: (torch.special.expit, "expit"),
+        F.sigmoid: (torch.special.expit, "expit"),
     }
     assert implied_entries({torch.roll: "roll"}) == {}
 

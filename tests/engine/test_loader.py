@@ -11,7 +11,11 @@ from physicsnemo_shardext import PluginLoadError, ShardextWarning, shard_registr
 from physicsnemo_shardext.engine.loader import PluginLoader, discover_entry_points
 from physicsnemo_shardext.engine.provenance import LoadStatus
 from physicsnemo_shardext.settings import Settings
-from physicsnemo_shardext.testing.plugin_packages import entry_points_in, first_party_entry_points, write_plugin_distribution
+from physicsnemo_shardext.testing.plugin_packages import (
+    entry_points_in,
+    first_party_entry_points,
+    write_plugin_distribution,
+)
 
 GOOD = """
 import torch
@@ -97,7 +101,11 @@ def test_installed_distribution_is_discovered_with_provenance(site, fresh_regist
     reports = load(site, fresh_registry)
     assert reports["good"].status is LoadStatus.LOADED and reports["good"].patches == 2
     record = fresh_registry.provenance(torch.roll)
-    assert (record.plugin.distribution, record.plugin.version, record.plugin.source) == ("good-dist", "3.1", "entry-point")
+    assert (record.plugin.distribution, record.plugin.version, record.plugin.source) == (
+        "good-dist",
+        "3.1",
+        "entry-point",
+    )
     assert shard_registries.current_handler("function", torch.roll)(None, None, None, None) == "a"
 
 
@@ -376,7 +384,13 @@ def shardext_declare_patches(patches):
 
 @pytest.mark.parametrize("sneaky_first", [True, False])
 def test_no_victim_is_blamed_for_an_import_time_write(site, fresh_registry, sneaky_first):
-    install(site, "sneaky-dist", "sneaky", f"sneaky_victim_mod_{sneaky_first}", SNEAKY.format(write=WRITES["register-call"][0]))
+    install(
+        site,
+        "sneaky-dist",
+        "sneaky",
+        f"sneaky_victim_mod_{sneaky_first}",
+        SNEAKY.format(write=WRITES["register-call"][0]),
+    )
     install(site, "victim-dist", "victim", f"victim_mod_{sneaky_first}", VICTIM)
     order = entry_points_in(site)  # sneaky sorts first
     order = order if sneaky_first else order[::-1]
@@ -455,7 +469,9 @@ def clashing_entry_points(site, reverse):
 @pytest.mark.parametrize("reverse", CLASH_ORDERS)
 def test_same_name_from_two_distributions_refuses_both(site, fresh_registry, pristine_registries, reverse):
     entry_points = clashing_entry_points(site, reverse)
-    with pytest.warns(ShardextWarning, match="distributions alpha-dist and beta-dist both publish a plugin named 'fast'"):
+    with pytest.warns(
+        ShardextWarning, match="distributions alpha-dist and beta-dist both publish a plugin named 'fast'"
+    ):
         reports = by_identity(PluginLoader(fresh_registry, Settings()).load_entry_points(entry_points))
     for distribution in ("alpha-dist", "beta-dist"):
         report = reports[(distribution, "fast")]
@@ -499,7 +515,10 @@ def test_name_held_by_an_earlier_load_refuses_the_newcomer(site, fresh_registry)
 
 def test_strict_mode_fails_on_an_incompatible_plugin(site, fresh_registry, pristine_registries):
     install(site, "future-dist", "future", "future_strict_mod", BROKEN["incompatible"], version="2.0")
-    with pytest.raises(PluginLoadError, match=r"future-dist==2.0 failed during shardext_requirements: IncompatiblePluginError: it requires nvidia-physicsnemo>=99"):
+    with pytest.raises(
+        PluginLoadError,
+        match=r"future-dist==2.0 failed during shardext_requirements: IncompatiblePluginError: it requires nvidia-physicsnemo>=99",
+    ):
         load(site, fresh_registry, strict=True)
     assert [r.status for r in fresh_registry.reports()] == [LoadStatus.INCOMPATIBLE]
     assert shard_registries.snapshot() == pristine_registries
@@ -537,8 +556,13 @@ def test_strict_mode_raises_patch_conflict_error_on_an_unresolved_tie(site, pris
 def test_a_name_matching_no_plugin_warns_with_close_matches(site, fresh_registry, variable):
     install(site, "first-dist", "first", "first_typo_mod", GOOD.format(tag="1", priority=1))
     option = "SHARDEXT_DISABLE" if variable == "deny" else "SHARDEXT_ONLY"
-    with pytest.warns(ShardextWarning, match=rf"{option} names 'frist', which matches no installed plugin or distribution; did you mean 'first'") as record:
-        reports = load(site, fresh_registry, **{variable: ("frist", "first-dist" if variable == "allow" else "nothing-like-it-zz")})
+    with pytest.warns(
+        ShardextWarning,
+        match=rf"{option} names 'frist', which matches no installed plugin or distribution; did you mean 'first'",
+    ) as record:
+        reports = load(
+            site, fresh_registry, **{variable: ("frist", "first-dist" if variable == "allow" else "nothing-like-it-zz")}
+        )
     messages = [str(w.message) for w in record if issubclass(w.category, ShardextWarning)]
     if variable == "deny":
         assert reports["first"].status is LoadStatus.LOADED  # the typo blocked nothing
@@ -636,15 +660,19 @@ def test_plugin_waits_for_each_module_in_turn(site, fresh_registry, awaited):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_a_deferred_plugin_that_fails_later_is_isolated_and_warned_about(site, fresh_registry, pristine_registries,
-                                                                         awaited, strict):
+def test_a_deferred_plugin_that_fails_later_is_isolated_and_warned_about(
+    site, fresh_registry, pristine_registries, awaited, strict
+):
     module = awaited()
     body = "ShardTensor.register_function_handler(torch.cumsum, cummax_handler)\n    raise RuntimeError('late boom')"
     source = "from physicsnemo.domain_parallel import ShardTensor\n" + deferred_source([module], body)
     install(site, "late-dist", "late", f"late_mod_fail_{strict}", source, version="0.5")
     assert load(site, fresh_registry, strict=strict)["late"].status is LoadStatus.DEFERRED  # strict: not a failure
-    with pytest.warns(ShardextWarning, match=r"late-dist==0.5 failed during shardext_declare_patches: RuntimeError: "
-                                             r"late boom.*deferred until a module's import"):
+    with pytest.warns(
+        ShardextWarning,
+        match=r"late-dist==0.5 failed during shardext_declare_patches: RuntimeError: "
+        r"late boom.*deferred until a module's import",
+    ):
         importlib.import_module(module)  # never raises, in strict mode either: it would break this import
     [report] = fresh_registry.reports()
     assert report.status is LoadStatus.FAILED and report.stage == "shardext_declare_patches"
@@ -662,7 +690,9 @@ def test_a_blocked_plugin_is_never_deferred(site, fresh_registry, awaited):
 
 @pytest.mark.parametrize("answer", ["'json'", "[1]", "42"])
 def test_import_after_must_return_module_names(site, fresh_registry, answer):
-    source = f"from physicsnemo_shardext import hookimpl\n@hookimpl\ndef shardext_import_after():\n    return {answer}\n"
+    source = (
+        f"from physicsnemo_shardext import hookimpl\n@hookimpl\ndef shardext_import_after():\n    return {answer}\n"
+    )
     install(site, "odd-dist", "odd", f"odd_mod_{abs(hash(answer))}", source)
     with pytest.warns(ShardextWarning, match="failed during shardext_import_after: ValueError: shardext_import_after"):
         report = load(site, fresh_registry)["odd"]
@@ -848,7 +878,9 @@ def test_an_unmarked_requirements_hook_is_named_beside_working_hooks(site, fresh
     requirements = "def shardext_requirements():\n    return {'nvidia-physicsnemo': '>=99'}\n@hookimpl"
     source = FORGETFUL.format(name="shardext_declare_patches", requirements=requirements)
     install(site, "half-marked-dist", "half-marked", "half_marked_mod", source)
-    with pytest.warns(ShardextWarning, match=r"half-marked-dist==1.0\) provides nothing as written: shardext_requirements\(\)"):
+    with pytest.warns(
+        ShardextWarning, match=r"half-marked-dist==1.0\) provides nothing as written: shardext_requirements\(\)"
+    ):
         report = load(site, fresh_registry)["half-marked"]
     assert (report.status, report.patches) == (LoadStatus.LOADED, 1)  # its marked hook did run
     assert [p.split("()")[0] for p in report.extra["problems"]] == ["shardext_requirements"]
@@ -862,16 +894,22 @@ def test_a_plugin_implementing_no_useful_hook_warns(site, fresh_registry, case):
     with pytest.warns(ShardextWarning, match=r"plugin hookless \(hookless-dist==2.1\) provides nothing as written"):
         report = load(site, fresh_registry)["hookless"]
     assert report.status is LoadStatus.LOADED and report.patches == 0
-    assert report.extra["problems"] == [next(p for p in report.extra["problems"] if expected.format(module=module) in p)]
+    assert report.extra["problems"] == [
+        next(p for p in report.extra["problems"] if expected.format(module=module) in p)
+    ]
 
 
 @pytest.mark.parametrize("case", ["unmarked", "no-hook-at-all"])
 def test_hooks_that_provide_nothing_are_fatal_in_strict_mode(site, fresh_registry, pristine_registries, case):
     from physicsnemo_shardext.errors import PluginHookError
 
-    source = FORGETFUL.format(name="shardext_declare_patches", requirements="") if case == "unmarked" else HOOKLESS[case][0]
+    source = (
+        FORGETFUL.format(name="shardext_declare_patches", requirements="") if case == "unmarked" else HOOKLESS[case][0]
+    )
     install(site, "inert-dist", "inert", f"inert_{case.replace('-', '_')}_mod", source, version="0.7")
-    with pytest.raises(PluginLoadError, match=r"'inert' from inert-dist==0.7 failed during hook check: PluginHookError") as error:
+    with pytest.raises(
+        PluginLoadError, match=r"'inert' from inert-dist==0.7 failed during hook check: PluginHookError"
+    ) as error:
         load(site, fresh_registry, strict=True)
     assert (error.value.plugin, error.value.stage) == ("inert", "hook check")
     assert isinstance(error.value.cause, PluginHookError) and error.value.cause.problems
@@ -936,8 +974,11 @@ SLOW = "import time\ntime.sleep({seconds})\n" + GOOD
 def test_a_slow_plugin_is_named_with_its_load_time(site, fresh_registry):
     install(site, "slow-dist", "slow", "slow_mod", SLOW.format(seconds=0.5, tag="s", priority=0), version="3.0")
     install(site, "quick-dist", "quick", "quick_mod", VICTIM)
-    with pytest.warns(ShardextWarning, match=r"plugin slow \(slow-dist==3.0\) took 0\.\d s to load \(its import and "
-                                             r"hooks; SHARDEXT_SLOW_PLUGIN_SECONDS=0.3\)") as caught:
+    with pytest.warns(
+        ShardextWarning,
+        match=r"plugin slow \(slow-dist==3.0\) took 0\.\d s to load \(its import and "
+        r"hooks; SHARDEXT_SLOW_PLUGIN_SECONDS=0.3\)",
+    ) as caught:
         reports = load(site, fresh_registry, slow_plugin_seconds=0.3)
     assert not shardext_warnings(caught, "quick-dist")
     slow, quick = reports["slow"].extra, reports["quick"].extra
@@ -954,13 +995,16 @@ def test_a_slow_plugin_is_not_fatal_in_strict_mode_and_the_warning_can_be_switch
     install(site, "slow-dist", "slow2", "slow_off_mod", SLOW.format(seconds=0.3, tag="s", priority=0))
     recwarn.clear()
     report = PluginLoader(fresh_registry, Settings(slow_plugin_seconds=None)).load_entry_points(
-        [ep for ep in entry_points_in(site) if ep.name == "slow2"])[0]
+        [ep for ep in entry_points_in(site) if ep.name == "slow2"]
+    )[0]
     assert report.extra["load_seconds"] >= 0.3 and report.extra["slow"] is False
     assert not [w for w in recwarn if "to load" in str(w.message)]
 
 
 def test_a_failed_plugin_has_its_load_time_too(site, fresh_registry):
-    install(site, "late-fail-dist", "late-fail", "late_fail_mod", "import time\ntime.sleep(0.2)\nraise ImportError('x')\n")
+    install(
+        site, "late-fail-dist", "late-fail", "late_fail_mod", "import time\ntime.sleep(0.2)\nraise ImportError('x')\n"
+    )
     with pytest.warns(ShardextWarning, match="failed during import"):
         report = load(site, fresh_registry)["late-fail"]
     assert report.status is LoadStatus.FAILED and report.extra["load_seconds"] >= 0.2
@@ -1007,8 +1051,9 @@ NESTED_CALLS = {
 def described(snapshot):
     from physicsnemo_shardext.targets import describe_handler, describe_target
 
-    return {(c.table, describe_target(c.key) if c.key is not None else None, describe_handler(c.after))
-            for c in snapshot}
+    return {
+        (c.table, describe_target(c.key) if c.key is not None else None, describe_handler(c.after)) for c in snapshot
+    }
 
 
 @pytest.mark.parametrize("at_import", [True, False], ids=["import", "hook"])
@@ -1020,21 +1065,34 @@ def test_loading_plugins_from_a_plugins_load_is_refused_and_the_outer_load_compl
 
     module = f"greedy_{call}_{at_import}_mod"
     install(site, "good-dist", "good", f"good_before_{module}", GOOD.format(tag="g", priority=0))
-    install(site, "greedy-dist", "greedy", module, GREEDY.format(at_import=at_import, call=NESTED_CALLS[call]),
-            version="0.8")
+    install(
+        site,
+        "greedy-dist",
+        "greedy",
+        module,
+        GREEDY.format(at_import=at_import, call=NESTED_CALLS[call]),
+        version="0.8",
+    )
     install(site, "victim-dist", "victim", f"victim_after_{module}", VICTIM)
     global_registry = physicsnemo_shardext.get_registry()
     global_reports = global_registry.reports()
-    with global_registry.sandbox(), pytest.warns(
-        ShardextWarning, match=rf"{call}\(.*\) was called while plugin 'greedy' from greedy-dist==0.8 "
-                               rf"was being loaded \(during {'its import' if at_import else 'shardext_declare_patches'}\)"
-    ) as caught:
+    with (
+        global_registry.sandbox(),
+        pytest.warns(
+            ShardextWarning,
+            match=rf"{call}\(.*\) was called while plugin 'greedy' from greedy-dist==0.8 "
+            rf"was being loaded \(during {'its import' if at_import else 'shardext_declare_patches'}\)",
+        ) as caught,
+    ):
         reports = load(site, fresh_registry)
         nested_reports = [r for r in global_registry.reports() if r not in global_reports]
         after = shard_registries.snapshot()
     assert [w.filename for w in caught if "was called while" in str(w.message)] == [str(site / f"{module}.py")]
     assert {name: (r.status, r.patches) for name, r in reports.items()} == {
-        "good": (LoadStatus.LOADED, 2), "greedy": (LoadStatus.LOADED, 1), "victim": (LoadStatus.LOADED, 1)}
+        "good": (LoadStatus.LOADED, 2),
+        "greedy": (LoadStatus.LOADED, 1),
+        "victim": (LoadStatus.LOADED, 1),
+    }
     # Exactly what the three plugins declare, every handler live: nothing lost, nothing else added.
     assert described(pristine_registries.changes(after)) == {
         ("_function_registry", "torch.roll", f"good_before_{module}.roll_handler"),
@@ -1054,10 +1112,19 @@ def test_a_nested_load_is_fatal_in_strict_mode(site, fresh_registry, pristine_re
     from physicsnemo_shardext.errors import ReentrantLoadError
 
     monkeypatch.setenv("SHARDEXT_STRICT", "1")  # what the nested load_plugins() reads
-    install(site, "greedy-dist", "greedy", "greedy_strict_mod",
-            GREEDY.format(at_import=True, call=NESTED_CALLS["load_plugins"]), version="0.8")
-    with pytest.raises(PluginLoadError, match=r"'greedy' from greedy-dist==0.8 failed during import: "
-                                              r"ReentrantLoadError: load_plugins\(\) was called while plugin 'greedy'") as error:
+    install(
+        site,
+        "greedy-dist",
+        "greedy",
+        "greedy_strict_mod",
+        GREEDY.format(at_import=True, call=NESTED_CALLS["load_plugins"]),
+        version="0.8",
+    )
+    with pytest.raises(
+        PluginLoadError,
+        match=r"'greedy' from greedy-dist==0.8 failed during import: "
+        r"ReentrantLoadError: load_plugins\(\) was called while plugin 'greedy'",
+    ) as error:
         load(site, fresh_registry, strict=True)
     assert isinstance(error.value.cause, ReentrantLoadError) and error.value.cause.plugin == "greedy"
     assert fresh_registry.plugins() == [] and shard_registries.snapshot() == pristine_registries
@@ -1087,8 +1154,13 @@ def test_registries_after_autoload_with_a_greedy_plugin_equal_a_normal_load(tmp_
     for greedy in (False, True):
         folder = tmp_path / str(greedy)
         call = NESTED_CALLS["load_plugins"] if greedy else "None"
-        write_plugin_distribution(folder, "greedy-dist", "0.8", {"greedy": "greedy_probe_mod"},
-                                  {"greedy_probe_mod": GREEDY.format(at_import=True, call=call)})
+        write_plugin_distribution(
+            folder,
+            "greedy-dist",
+            "0.8",
+            {"greedy": "greedy_probe_mod"},
+            {"greedy_probe_mod": GREEDY.format(at_import=True, call=call)},
+        )
         result = python_runner(REGISTRY_PROBE, env={"CUDA_VISIBLE_DEVICES": ""}, path=[str(folder)])
         assert result.returncode == 0, result.stderr
         runs[greedy] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -1096,4 +1168,8 @@ def test_registries_after_autoload_with_a_greedy_plugin_equal_a_normal_load(tmp_
     assert greedy["tables"] == normal["tables"] and greedy["attributes"] == normal["attributes"]
     assert greedy["reports"] == normal["reports"] and ["greedy", "loaded", 1] in greedy["reports"]
     assert "torch.logcumsumexp -> greedy_probe_mod.greedy_handler" in greedy["tables"]["_function_registry"]
-    assert normal["nested"] == [] and len(greedy["nested"]) == 1 and "'greedy' from greedy-dist==0.8" in greedy["nested"][0]
+    assert (
+        normal["nested"] == []
+        and len(greedy["nested"]) == 1
+        and "'greedy' from greedy-dist==0.8" in greedy["nested"][0]
+    )

@@ -283,8 +283,11 @@ def test_a_declaration_covers_the_torch_aliases_of_its_target(fresh_registry, pr
     assert current(torch.Tensor.swapaxes) is current(torch.Tensor.swapdims) is transpose
     assert current(torch.swapaxes) is None  # the function form is another op than the method form
     record = fresh_registry.provenance(torch.concatenate)
-    assert (record.plugin, record.declaration.alias_of, record.declaration.description) == (info, torch.cat,
-                                                                                             "alias of torch.cat")
+    assert (record.plugin, record.declaration.alias_of, record.declaration.description) == (
+        info,
+        torch.cat,
+        "alias of torch.cat",
+    )
     fresh_registry.remove_all()
     assert shard_registries.snapshot() == pristine_registries
 

@@ -68,8 +68,15 @@ def _no_activation_gather_and_same_buffers(model: torch.nn.Module, x: torch.Tens
 
 def _pix2pix() -> Pix2Pix:
     return Pix2Pix(
-        in_channels=1, out_channels=2, dimension=2, conv_layer_size=4,
-        n_downsampling=2, n_upsampling=2, n_blocks=1, batch_norm=True, padding_type="reflect",
+        in_channels=1,
+        out_channels=2,
+        dimension=2,
+        conv_layer_size=4,
+        n_downsampling=2,
+        n_upsampling=2,
+        n_blocks=1,
+        batch_norm=True,
+        padding_type="reflect",
     )
 
 
@@ -143,8 +150,11 @@ def test_unet_3d_attention_gates_on_4_ranks(domain_mesh):
     input (1, 1, 24, 4, 4), D split 8 + 4 + 4 + 8 (levels 8+4+4+8, 4+2+2+4, 2+1+1+2).
     """
     model = _unet(
-        use_attn_gate=True, attn_decoder_feature_maps=[8, 4], attn_feature_map_channels=[4, 2],
-        attn_intermediate_channels=2, gradient_checkpointing=False,
+        use_attn_gate=True,
+        attn_decoder_feature_maps=[8, 4],
+        attn_feature_map_channels=[4, 2],
+        attn_intermediate_channels=2,
+        gradient_checkpointing=False,
     )
     x = torch.randn(1, 1, 24, 4, 4)
     spec = ShardSpec(domain_mesh, [Shard(2)], [8, 4, 4, 8])

@@ -32,8 +32,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from physicsnemo.models.afno import AFNO
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.models.afno import AFNO
 from physicsnemo.models.fno import FNO
 from physicsnemo.models.unet import UNet
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -43,10 +43,19 @@ from physicsnemo_shardext.testing import shard_tensor
 RTOL, ATOL = 1e-5, 1e-5  # float32; compiled vs eager vs single-process
 STEPS = 2
 
-FNO_CONFIG = dict(in_channels=2, out_channels=1, dimension=2, latent_channels=8, num_fno_layers=2, num_fno_modes=4,
-                  decoder_layers=1, decoder_layer_size=16)
-AFNO_CONFIG = dict(inp_shape=[32, 16], in_channels=2, out_channels=1, patch_size=[4, 4], embed_dim=8, depth=1,
-                   num_blocks=2)
+FNO_CONFIG = dict(
+    in_channels=2,
+    out_channels=1,
+    dimension=2,
+    latent_channels=8,
+    num_fno_layers=2,
+    num_fno_modes=4,
+    decoder_layers=1,
+    decoder_layer_size=16,
+)
+AFNO_CONFIG = dict(
+    inp_shape=[32, 16], in_channels=2, out_channels=1, patch_size=[4, 4], embed_dim=8, depth=1, num_blocks=2
+)
 
 
 class SmallUNet(nn.Module):
@@ -77,9 +86,15 @@ MODELS: dict[str, tuple[Any, tuple[int, ...], list[int]]] = {
     # PhysicsNeMo's 3-D UNet as tests/models/test_cnn_models.py runs it (GroupNorm, MaxPool3d,
     # transposed convs, skip concatenation), depth split 12 + 4.
     "physicsnemo-unet3d": (
-        lambda: UNet(in_channels=1, out_channels=1, model_depth=3, feature_map_channels=[2, 2, 4, 4, 8, 8],
-                     gradient_checkpointing=False),
-        (1, 1, 16, 4, 4), [12, 4],
+        lambda: UNet(
+            in_channels=1,
+            out_channels=1,
+            model_depth=3,
+            feature_map_channels=[2, 2, 4, 4, 8, 8],
+            gradient_checkpointing=False,
+        ),
+        (1, 1, 16, 4, 4),
+        [12, 4],
     ),
 }
 
@@ -110,8 +125,13 @@ def _steps(model: nn.Module, call: Any, x: torch.Tensor, cotangent: torch.Tensor
         x.grad = None
         out = call(x)
         out.backward(cotangent)
-        results.append({"output": _full(out), "input grad": _full(x.grad),
-                        **{f"grad {n}": _full(p.grad) for n, p in model.named_parameters() if p.requires_grad}})
+        results.append(
+            {
+                "output": _full(out),
+                "input grad": _full(x.grad),
+                **{f"grad {n}": _full(p.grad) for n, p in model.named_parameters() if p.requires_grad},
+            }
+        )
     return results
 
 

@@ -56,23 +56,43 @@ from typing import Any
 
 import pytest
 import torch
-
-import physicsnemo_shardext
 from physicsnemo.models.afno import AFNO
 from physicsnemo.models.fno import FNO
 from torch.distributed.tensor import Replicate, Shard, distribute_module
 
+import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}  # float32, outputs and every gradient
 
-FNO2D = dict(in_channels=2, out_channels=1, dimension=2, latent_channels=8, num_fno_layers=2, num_fno_modes=[5, 4],
-             decoder_layers=1, decoder_layer_size=8, padding=0, coord_features=False)
-FNO3D = dict(in_channels=2, out_channels=1, dimension=3, latent_channels=8, num_fno_layers=1, num_fno_modes=2,
-             decoder_layers=1, decoder_layer_size=8, padding=0, coord_features=False)
-AFNO_CONFIG = dict(inp_shape=[32, 16], in_channels=2, out_channels=1, patch_size=[4, 4], embed_dim=8, depth=1,
-                   num_blocks=2)
+FNO2D = dict(
+    in_channels=2,
+    out_channels=1,
+    dimension=2,
+    latent_channels=8,
+    num_fno_layers=2,
+    num_fno_modes=[5, 4],
+    decoder_layers=1,
+    decoder_layer_size=8,
+    padding=0,
+    coord_features=False,
+)
+FNO3D = dict(
+    in_channels=2,
+    out_channels=1,
+    dimension=3,
+    latent_channels=8,
+    num_fno_layers=1,
+    num_fno_modes=2,
+    decoder_layers=1,
+    decoder_layer_size=8,
+    padding=0,
+    coord_features=False,
+)
+AFNO_CONFIG = dict(
+    inp_shape=[32, 16], in_channels=2, out_channels=1, patch_size=[4, 4], embed_dim=8, depth=1, num_blocks=2
+)
 
 
 def _check(model: torch.nn.Module, x: torch.Tensor, spec: ShardSpec) -> None:
@@ -108,8 +128,9 @@ def test_fno2d_on_2x2_spatial_mesh(spatial_mesh):
     # mesh dim only, so the reshape gathers W over the "w" mesh dim first: the decoder runs on points
     # sharded over "h" and replicated over "w", and the output comes back H-sharded, W-replicated.
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [9, 8], 1: [7, 6]})
-    report = check_conformance(FNO(**FNO2D), [torch.randn(1, 2, 17, 13)], spec,
-                               expected_placements=[Shard(2), Replicate()], **TOLERANCE)
+    report = check_conformance(
+        FNO(**FNO2D), [torch.randn(1, 2, 17, 13)], spec, expected_placements=[Shard(2), Replicate()], **TOLERANCE
+    )
     gathers = {op: n for op, n in report.comms.forward.counts.items() if "gather" in op}
     assert sum(gathers.values()) == 1, report.comms.forward.counts  # the one gather before the decoder
 
@@ -124,16 +145,25 @@ def test_fno2d_with_default_padding_and_coordinate_features(domain_mesh):
     # FNO's defaults: a plain, full-size coordinate grid is concatenated to the sharded input (the
     # cat cuts it to each rank's rows, no communication) and the field is padded by 8 on the far end
     # of H and W, then cropped with x[..., :-8, :-8] (padding and spectral plugins).
-    report = check_conformance(FNO(**_with_defaults(FNO2D)), [torch.randn(1, 2, 17, 13)],
-                               ShardSpec(domain_mesh, [Shard(2)], [9, 8]), **TOLERANCE)
+    report = check_conformance(
+        FNO(**_with_defaults(FNO2D)),
+        [torch.randn(1, 2, 17, 13)],
+        ShardSpec(domain_mesh, [Shard(2)], [9, 8]),
+        **TOLERANCE,
+    )
     assert not any("gather" in op for op in report.comms.forward.counts), report.comms.forward.counts
 
 
 @pytest.mark.multirank(4, timeout=60)
 def test_fno2d_with_defaults_on_2x2_spatial_mesh(spatial_mesh):
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [9, 8], 1: [7, 6]})
-    check_conformance(FNO(**_with_defaults(FNO2D)), [torch.randn(1, 2, 17, 13)], spec,
-                      expected_placements=[Shard(2), Replicate()], **TOLERANCE)
+    check_conformance(
+        FNO(**_with_defaults(FNO2D)),
+        [torch.randn(1, 2, 17, 13)],
+        spec,
+        expected_placements=[Shard(2), Replicate()],
+        **TOLERANCE,
+    )
 
 
 # -- FNO 3-D ----------------------------------------------------------------------------------

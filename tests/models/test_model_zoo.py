@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.testing import (
@@ -73,8 +72,16 @@ def _run(name: str, mesh, sizes, two_d: bool = False):
     expected = entry.placements_2d if two_d else entry.expected_placements
     if expected == "input" and two_d and entry.expected_placements != "input":
         expected = entry.expected_placements
-    return check_conformance(model, inputs, specs, rtol=entry.rtol, atol=entry.atol, kwargs=entry.kwargs,
-                             params=entry.params, expected_placements=expected)
+    return check_conformance(
+        model,
+        inputs,
+        specs,
+        rtol=entry.rtol,
+        atol=entry.atol,
+        kwargs=entry.kwargs,
+        params=entry.params,
+        expected_placements=expected,
+    )
 
 
 def _compared_every_gradient(name: str, report) -> None:
@@ -131,8 +138,9 @@ def test_every_zoo_entry_says_what_to_expect():
 def test_zoo_covers_the_model_families_of_physicsnemo():
     import physicsnemo.models as models
 
-    families = {path.name for path in Path(models.__file__).parent.iterdir()
-                if path.is_dir() and not path.name.startswith("_")}
+    families = {
+        path.name for path in Path(models.__file__).parent.iterdir() if path.is_dir() and not path.name.startswith("_")
+    }
     covered = {entry.family for entry in zoo.ZOO.values()}
     # Graph and mesh models take no field or sequence to split (graphs are partitioned otherwise).
     graph_models = {"graphcast", "meshgraphnet", "mesh_reduced", "vfgn", "mlp"}

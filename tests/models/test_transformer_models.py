@@ -78,25 +78,68 @@ CUDA_ONLY_NATTEN = (
 
 
 def transolver(**overrides) -> Transolver:
-    config = dict(structured_shape=None, n_layers=1, n_hidden=16, dropout=0.0, n_head=2, time_input=False, act="gelu",
-                  mlp_ratio=1, functional_dim=3, embedding_dim=5, out_dim=2, slice_num=4, ref=1, unified_pos=False,
-                  use_te=False)
+    config = dict(
+        structured_shape=None,
+        n_layers=1,
+        n_hidden=16,
+        dropout=0.0,
+        n_head=2,
+        time_input=False,
+        act="gelu",
+        mlp_ratio=1,
+        functional_dim=3,
+        embedding_dim=5,
+        out_dim=2,
+        slice_num=4,
+        ref=1,
+        unified_pos=False,
+        use_te=False,
+    )
     config.update(overrides)
     return Transolver(**config)
 
 
 def geotransolver(**overrides) -> GeoTransolver:
-    config = dict(functional_dim=3, out_dim=2, geometry_dim=3, global_dim=4, n_layers=1, n_hidden=16, dropout=0.0,
-                  n_head=2, act="gelu", mlp_ratio=1, slice_num=4, use_te=False, time_input=False, plus=False,
-                  include_local_features=False, structured_shape=None, attention_type="GALE")
+    config = dict(
+        functional_dim=3,
+        out_dim=2,
+        geometry_dim=3,
+        global_dim=4,
+        n_layers=1,
+        n_hidden=16,
+        dropout=0.0,
+        n_head=2,
+        act="gelu",
+        mlp_ratio=1,
+        slice_num=4,
+        use_te=False,
+        time_input=False,
+        plus=False,
+        include_local_features=False,
+        structured_shape=None,
+        attention_type="GALE",
+    )
     config.update(overrides)
     return GeoTransolver(**config)
 
 
 def flare(**overrides) -> FLARE:
-    config = dict(functional_dim=3, out_dim=2, embedding_dim=5, n_layers=1, n_hidden=16, dropout=0.0, n_head=2,
-                  act="gelu", mlp_ratio=1, slice_num=4, unified_pos=False, structured_shape=None, time_input=False,
-                  use_te=False)
+    config = dict(
+        functional_dim=3,
+        out_dim=2,
+        embedding_dim=5,
+        n_layers=1,
+        n_hidden=16,
+        dropout=0.0,
+        n_head=2,
+        act="gelu",
+        mlp_ratio=1,
+        slice_num=4,
+        unified_pos=False,
+        structured_shape=None,
+        time_input=False,
+        use_te=False,
+    )
     config.update(overrides)
     return FLARE(**config)
 
@@ -117,8 +160,12 @@ def _points(n: int = 16) -> list[torch.Tensor]:
 def _geo_inputs(mesh, points: list[int], geometry: list[int]) -> tuple[list, list]:
     # Positional order of GeoTransolver.forward: local_embedding, local_positions, global_embedding, geometry.
     inputs = [torch.randn(1, sum(points), 3), None, torch.randn(1, 2, 4), torch.randn(1, sum(geometry), 3)]
-    specs = [ShardSpec(mesh, [Shard(1)], points), None, ShardSpec(mesh, [Replicate()]),
-             ShardSpec(mesh, [Shard(1)], geometry)]
+    specs = [
+        ShardSpec(mesh, [Shard(1)], points),
+        None,
+        ShardSpec(mesh, [Replicate()]),
+        ShardSpec(mesh, [Shard(1)], geometry),
+    ]
     return inputs, specs
 
 
@@ -189,8 +236,9 @@ def test_geotransolver_gale_on_2_ranks_uneven(domain_mesh):
 
 
 @pytest.mark.multirank(4, timeout=120)
-@pytest.mark.parametrize(("points", "geometry"), [([4, 4, 4, 4], [3, 3, 3, 3]), ([6, 2, 0, 8], [5, 1, 4, 3])],
-                         ids=["even", "uneven"])
+@pytest.mark.parametrize(
+    ("points", "geometry"), [([4, 4, 4, 4], [3, 3, 3, 3]), ([6, 2, 0, 8], [5, 1, 4, 3])], ids=["even", "uneven"]
+)
 def test_geotransolver_gale_on_4_ranks(domain_mesh, points, geometry):
     inputs, specs = _geo_inputs(domain_mesh, points, geometry)
     _check(geotransolver(), inputs, specs, params="plain")
@@ -217,8 +265,17 @@ def test_flare_on_4_ranks_uneven(domain_mesh, params):
 
 # -- DiT ----------------------------------------------------------------------------------------
 def _dit(backend: str) -> DiT:
-    return DiT(input_size=(8, 8), in_channels=2, out_channels=2, patch_size=2, hidden_size=16, depth=1,
-               num_heads=2, attention_backend=backend, attn_kwargs={"attn_kernel": 3} if "natten" in backend else {})
+    return DiT(
+        input_size=(8, 8),
+        in_channels=2,
+        out_channels=2,
+        patch_size=2,
+        hidden_size=16,
+        depth=1,
+        num_heads=2,
+        attention_backend=backend,
+        attn_kwargs={"attn_kernel": 3} if "natten" in backend else {},
+    )
 
 
 @pytest.mark.multirank(2, timeout=120)
@@ -265,8 +322,18 @@ def test_fallback_gradient_of_a_partial_input(domain_mesh):
 def _vit(**overrides) -> torch.nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
-    config = dict(img_size=16, patch_size=4, in_chans=2, num_classes=3, embed_dim=16, depth=2, num_heads=2,
-                  mlp_ratio=2.0, class_token=False, global_pool="avg")
+    config = dict(
+        img_size=16,
+        patch_size=4,
+        in_chans=2,
+        num_classes=3,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        class_token=False,
+        global_pool="avg",
+    )
     config.update(overrides)
     return VisionTransformer(**config)
 
@@ -277,16 +344,27 @@ def test_vit_encoder_on_2_ranks(domain_mesh, split):
     # 16x16 image, 4x4 patches; H split on patch rows: the patch embedding (a strided conv) keeps the
     # split, tokens (flatten + transpose) are sharded on the sequence, self-attention is the ring,
     # the average pool sums over the ranks; the class logits come back Replicate.
-    report = check_conformance(_vit(), [torch.randn(1, 2, 16, 16)], ShardSpec(domain_mesh, [Shard(2)], split),
-                               expected_placements=[Replicate()], **TOLERANCE)
+    report = check_conformance(
+        _vit(),
+        [torch.randn(1, 2, 16, 16)],
+        ShardSpec(domain_mesh, [Shard(2)], split),
+        expected_placements=[Replicate()],
+        **TOLERANCE,
+    )
     assert len([k for k in report.max_abs_errors if k.startswith("gradient of parameter")]) == len(
-        list(_vit().parameters()))
+        list(_vit().parameters())
+    )
 
 
 @pytest.mark.multirank(4, timeout=120)
 def test_vit_encoder_on_4_ranks(domain_mesh):
-    check_conformance(_vit(), [torch.randn(1, 2, 16, 16)], ShardSpec(domain_mesh, [Shard(2)], [4, 8, 0, 4]),
-                      expected_placements=[Replicate()], **TOLERANCE)
+    check_conformance(
+        _vit(),
+        [torch.randn(1, 2, 16, 16)],
+        ShardSpec(domain_mesh, [Shard(2)], [4, 8, 0, 4]),
+        expected_placements=[Replicate()],
+        **TOLERANCE,
+    )
 
 
 # -- a causal sequence model ------------------------------------------------------------------------
@@ -322,14 +400,26 @@ def test_causal_lm_trains_like_single_process_on_a_2x2_layout(rank):
     from physicsnemo_shardext.training.verification import verify_training
 
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 11, (2, 32), generator=g), torch.randint(0, 11, (2, 32), generator=g))
-               for _ in range(2)]
+    batches = [
+        (torch.randint(0, 11, (2, 32), generator=g), torch.randint(0, 11, (2, 32), generator=g)) for _ in range(2)
+    ]
 
     def next_token_loss(logits, targets):
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets)
 
-    report = verify_training(CausalLM, batches, build_layout(ddp=2), shard_dim=1, sizes=[19, 13],
-                             loss_fn=next_token_loss, wrapper="ddp", optimizer="sgd", lr=0.1, steps=3, rtol=1e-4)
+    report = verify_training(
+        CausalLM,
+        batches,
+        build_layout(ddp=2),
+        shard_dim=1,
+        sizes=[19, 13],
+        loss_fn=next_token_loss,
+        wrapper="ddp",
+        optimizer="sgd",
+        lr=0.1,
+        steps=3,
+        rtol=1e-4,
+    )
     assert report.ok, report.format()
     assert len(report.gradients) == len(list(CausalLM().parameters()))
 

@@ -67,8 +67,9 @@ LAYERS = {
 @pytest.mark.parametrize("split", [[7, 3], [10, 0]], ids=["uneven", "empty-shard"])
 def test_layer_matches_single_process_and_stays_sharded(domain_mesh, config, split):
     x = torch.randn(2, 10, 12, 8)  # (B, H, W, C), sharded on H
-    report = check_conformance(AFNO2DLayer(**LAYERS[config]), [x], ShardSpec(domain_mesh, [Shard(1)], split),
-                               rtol=1e-4, atol=1e-5)
+    report = check_conformance(
+        AFNO2DLayer(**LAYERS[config]), [x], ShardSpec(domain_mesh, [Shard(1)], split), rtol=1e-4, atol=1e-5
+    )
     # rfft2 and irfft2 are one all-to-all each; the buffers never gather the spectrum.
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
 
@@ -77,6 +78,5 @@ def test_layer_matches_single_process_and_stays_sharded(domain_mesh, config, spl
 @pytest.mark.parametrize("config", sorted(LAYERS))
 def test_layer_on_a_2x2_pencil_mesh(spatial_mesh, config):
     spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [6, 4], 1: [5, 7]})
-    report = check_conformance(AFNO2DLayer(**LAYERS[config]), [torch.randn(1, 10, 12, 8)], spec,
-                               rtol=1e-4, atol=1e-5)
+    report = check_conformance(AFNO2DLayer(**LAYERS[config]), [torch.randn(1, 10, 12, 8)], spec, rtol=1e-4, atol=1e-5)
     assert set(report.comms.forward.counts) == {"c10d.alltoall_base_"}

@@ -59,7 +59,9 @@ def test_ring_matches_single_process(domain_mesh, causal, lq, q_split, lk, kv_sp
 )
 def test_ring_on_four_ranks_causal_scale_and_value_width(domain_mesh, q_split, kv_split):
     check_conformance(
-        lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=0.3), _qkv(33, 33, ev=5), _specs(domain_mesh, q_split, kv_split)
+        lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=0.3),
+        _qkv(33, 33, ev=5),
+        _specs(domain_mesh, q_split, kv_split),
     )
 
 
@@ -73,7 +75,7 @@ def test_ring_with_replicated_masks(domain_mesh, kind):
     elif kind == "additive":
         mask = torch.randn(B, 1, 19, 23, generator=g)
     else:
-        mask = (torch.rand(B, 1, 1, 23, generator=g) > 0.3)
+        mask = torch.rand(B, 1, 1, 23, generator=g) > 0.3
     check_conformance(
         lambda q, k, v: SDPA(q, k, v, attn_mask=mask), _qkv(19, 23), _specs(domain_mesh, [12, 7], [9, 14])
     )
@@ -95,7 +97,9 @@ def test_grouped_query_attention(domain_mesh, causal):
     q, k, v = _qkv(17, 17, heads_kv=1)
     q = torch.randn(B, 4, 17, E)
     check_conformance(
-        lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), [q, k, v], _specs(domain_mesh, [9, 8], [4, 13])
+        lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True),
+        [q, k, v],
+        _specs(domain_mesh, [9, 8], [4, 13]),
     )
 
 
@@ -254,8 +258,14 @@ def test_mha_self_attention(domain_mesh, sizes, batch_first, need_weights, avera
     mha = nn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first)
     module = Attend(mha, self_attention=True, need_weights=need_weights, average_attn_weights=average)
     rows = (1 if average else 2) if need_weights else None
-    report = _check_mha(module, [_tokens(batch_first)], _token_spec(domain_mesh, batch_first, sizes),
-                        weights_rows=rows, batch_first=batch_first, params=params)
+    report = _check_mha(
+        module,
+        [_tokens(batch_first)],
+        _token_spec(domain_mesh, batch_first, sizes),
+        weights_rows=rows,
+        batch_first=batch_first,
+        params=params,
+    )
     if not need_weights:  # the ring: K/V blocks only, never gathered
         assert set(report.comms.forward.counts) <= {"c10d.alltoall_base_"}
 
@@ -264,8 +274,9 @@ def test_mha_self_attention(domain_mesh, sizes, batch_first, need_weights, avera
 def test_mha_under_torch_compile(domain_mesh):
     # The handler runs eagerly behind a graph break (eager_handler); compiled steps equal eager ones.
     module = Attend(nn.MultiheadAttention(EMBED, HEADS, batch_first=True), self_attention=True, need_weights=False)
-    check_conformance(module, [_tokens(True)], _token_spec(domain_mesh, True, [2, 7]), compile="aot_eager",
-                      count_comms=False)
+    check_conformance(
+        module, [_tokens(True)], _token_spec(domain_mesh, True, [2, 7]), compile="aot_eager", count_comms=False
+    )
 
 
 @pytest.mark.multirank(2)
@@ -274,11 +285,19 @@ def test_mha_under_torch_compile(domain_mesh):
 def test_mha_cross_attention_with_kdim_vdim(domain_mesh, kv, need_weights):
     mha = nn.MultiheadAttention(EMBED, HEADS, kdim=5, vdim=3, batch_first=True)
     inputs = [_tokens(True), _tokens(True, S, 5, seed=1), _tokens(True, S, 3, seed=2)]
-    kv_spec = {"sharded": ShardSpec(domain_mesh, [Shard(1)], [S, 0]), "plain": None,
-               "Replicate": ShardSpec(domain_mesh, [Replicate()])}[kv]
+    kv_spec = {
+        "sharded": ShardSpec(domain_mesh, [Shard(1)], [S, 0]),
+        "plain": None,
+        "Replicate": ShardSpec(domain_mesh, [Replicate()]),
+    }[kv]
     specs = [_token_spec(domain_mesh, True, [3, 6]), kv_spec, kv_spec]
-    report = _check_mha(Attend(mha, need_weights=need_weights), inputs, specs,
-                        weights_rows=1 if need_weights else None, batch_first=True)
+    report = _check_mha(
+        Attend(mha, need_weights=need_weights),
+        inputs,
+        specs,
+        weights_rows=1 if need_weights else None,
+        batch_first=True,
+    )
     if kv != "sharded" and not need_weights:
         assert report.comms.forward.total_calls == 0  # local attention against the whole K/V
 
@@ -320,8 +339,9 @@ def test_mha_key_padding_mask(domain_mesh, kind, need_weights):
     mask_spec = None if kind == "bool-replicated" else ShardSpec(domain_mesh, [Shard(1)], kv_sizes)
     inputs = [_tokens(True), _tokens(True, lk, seed=1), _tokens(True, lk, seed=2), padding]
     specs = [_token_spec(domain_mesh, True, [5, 4]), kv, kv, mask_spec]
-    module = Attend(nn.MultiheadAttention(EMBED, HEADS, batch_first=True), masks=("key_padding_mask",),
-                    need_weights=need_weights)
+    module = Attend(
+        nn.MultiheadAttention(EMBED, HEADS, batch_first=True), masks=("key_padding_mask",), need_weights=need_weights
+    )
     _check_mha(module, inputs, specs, weights_rows=1 if need_weights else None, batch_first=True)
 
 
@@ -332,15 +352,22 @@ def test_mha_attn_mask(domain_mesh, layout, need_weights):
     g = torch.Generator().manual_seed(6)
     attn_mask = torch.randn(N * HEADS, L, L, generator=g)  # per batch element and head, float
     mask_spec = ShardSpec(domain_mesh, [Shard(1)], [4, 5]) if layout == "sharded-rows" else None
-    module = Attend(nn.MultiheadAttention(EMBED, HEADS), masks=("attn_mask",), self_attention=True,
-                    need_weights=need_weights)
-    _check_mha(module, [_tokens(False), attn_mask], [_token_spec(domain_mesh, False, [4, 5]), mask_spec],
-               weights_rows=1 if need_weights else None, batch_first=False)
+    module = Attend(
+        nn.MultiheadAttention(EMBED, HEADS), masks=("attn_mask",), self_attention=True, need_weights=need_weights
+    )
+    _check_mha(
+        module,
+        [_tokens(False), attn_mask],
+        [_token_spec(domain_mesh, False, [4, 5]), mask_spec],
+        weights_rows=1 if need_weights else None,
+        batch_first=False,
+    )
 
 
 @pytest.mark.multirank(2)
 @pytest.mark.parametrize(
-    ("need_weights", "with_padding"), [(False, False), (True, False), (False, True)],
+    ("need_weights", "with_padding"),
+    [(False, False), (True, False), (False, True)],
     ids=["hint-used", "weights-use-the-mask", "padding-uses-the-mask"],
 )
 def test_mha_is_causal_with_its_mask(domain_mesh, need_weights, with_padding):
@@ -349,10 +376,20 @@ def test_mha_is_causal_with_its_mask(domain_mesh, need_weights, with_padding):
     padding[1, 3] = True
     masks = ("attn_mask", "key_padding_mask") if with_padding else ("attn_mask",)
     inputs = [_tokens(True), causal, padding] if with_padding else [_tokens(True), causal]
-    module = Attend(nn.MultiheadAttention(EMBED, HEADS, batch_first=True), masks=masks, self_attention=True,
-                    need_weights=need_weights, is_causal=True)
-    _check_mha(module, inputs, [_token_spec(domain_mesh, True, [7, 2])] + [None] * (len(inputs) - 1),
-               weights_rows=1 if need_weights else None, batch_first=True)
+    module = Attend(
+        nn.MultiheadAttention(EMBED, HEADS, batch_first=True),
+        masks=masks,
+        self_attention=True,
+        need_weights=need_weights,
+        is_causal=True,
+    )
+    _check_mha(
+        module,
+        inputs,
+        [_token_spec(domain_mesh, True, [7, 2])] + [None] * (len(inputs) - 1),
+        weights_rows=1 if need_weights else None,
+        batch_first=True,
+    )
 
 
 @pytest.mark.multirank(2)
@@ -372,8 +409,11 @@ def test_mha_is_causal_hint_trusts_the_hint(domain_mesh):
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize(("padding_type", "need_weights"), [(torch.bool, False), (torch.float32, False),
-                                                           (torch.float32, True)], ids=["bool", "float", "weights"])
+@pytest.mark.parametrize(
+    ("padding_type", "need_weights"),
+    [(torch.bool, False), (torch.float32, False), (torch.float32, True)],
+    ids=["bool", "float", "weights"],
+)
 def test_functional_mha_unbatched_and_uneven_sharded_padding(domain_mesh, padding_type, need_weights):
     mha = nn.MultiheadAttention(EMBED, HEADS)
     g = torch.Generator().manual_seed(7)
@@ -382,17 +422,37 @@ def test_functional_mha_unbatched_and_uneven_sharded_padding(domain_mesh, paddin
         padding[0] = False
 
     def attend(q, k, v, padding):
-        out, weights = MHA_FN(q, k, v, EMBED, HEADS, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
-                              mha.out_proj.weight, mha.out_proj.bias, key_padding_mask=padding,
-                              need_weights=need_weights, average_attn_weights=False)
+        out, weights = MHA_FN(
+            q,
+            k,
+            v,
+            EMBED,
+            HEADS,
+            mha.in_proj_weight,
+            mha.in_proj_bias,
+            None,
+            None,
+            False,
+            0.0,
+            mha.out_proj.weight,
+            mha.out_proj.bias,
+            key_padding_mask=padding,
+            need_weights=need_weights,
+            average_attn_weights=False,
+        )
         return out if weights is None else (out, weights)  # weights (H, L, S): rows on dim 1
 
-    inputs = [torch.randn(L, EMBED, generator=g), torch.randn(S, EMBED, generator=g),
-              torch.randn(S, EMBED, generator=g), padding]
+    inputs = [
+        torch.randn(L, EMBED, generator=g),
+        torch.randn(S, EMBED, generator=g),
+        torch.randn(S, EMBED, generator=g),
+        padding,
+    ]
     kv = ShardSpec(domain_mesh, [Shard(0)], [10, 1])
     expected = [(Shard(0),), (Shard(1),)] if need_weights else [(Shard(0),)]
-    check_conformance(attend, inputs, [ShardSpec(domain_mesh, [Shard(0)], [0, 9]), kv, kv, kv],
-                      expected_placements=expected)
+    check_conformance(
+        attend, inputs, [ShardSpec(domain_mesh, [Shard(0)], [0, 9]), kv, kv, kv], expected_placements=expected
+    )
 
 
 @pytest.mark.multirank(4)
@@ -403,16 +463,22 @@ def test_mha_on_four_ranks(domain_mesh, need_weights):
     causal = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
     padding = torch.rand(N, L, generator=g) > 0.8
     padding[:, 0] = False
-    module = Attend(mha, masks=("attn_mask", "key_padding_mask"), self_attention=True, need_weights=need_weights,
-                    is_causal=True)
+    module = Attend(
+        mha, masks=("attn_mask", "key_padding_mask"), self_attention=True, need_weights=need_weights, is_causal=True
+    )
     specs = [_token_spec(domain_mesh, True, [0, 5, 1, 3]), None, None]
-    _check_mha(module, [_tokens(True), causal, padding], specs, weights_rows=1 if need_weights else None,
-               batch_first=True)
+    _check_mha(
+        module, [_tokens(True), causal, padding], specs, weights_rows=1 if need_weights else None, batch_first=True
+    )
     cross = Attend(nn.MultiheadAttention(EMBED, HEADS, batch_first=True), need_weights=need_weights)
     kv = ShardSpec(domain_mesh, [Shard(1)], [3, 0, 8, 0])
-    _check_mha(cross, [_tokens(True), _tokens(True, S, seed=1), _tokens(True, S, seed=2)],
-               [_token_spec(domain_mesh, True, [2, 2, 2, 3]), kv, kv], weights_rows=1 if need_weights else None,
-               batch_first=True)
+    _check_mha(
+        cross,
+        [_tokens(True), _tokens(True, S, seed=1), _tokens(True, S, seed=2)],
+        [_token_spec(domain_mesh, True, [2, 2, 2, 3]), kv, kv],
+        weights_rows=1 if need_weights else None,
+        batch_first=True,
+    )
 
 
 @pytest.mark.multirank(4)
@@ -452,8 +518,12 @@ def test_mha_dropout(domain_mesh):
     assert 0.2 < dropped < 0.8, dropped  # about half the weights dropped
     # in eval mode there is no dropout: the ring again, equal to single-process
     mha.eval()
-    check_conformance(Attend(mha, self_attention=True, need_weights=False), [x], _token_spec(domain_mesh, True, [4, 5]),
-                      expected_placements=[(Shard(1),)])
+    check_conformance(
+        Attend(mha, self_attention=True, need_weights=False),
+        [x],
+        _token_spec(domain_mesh, True, [4, 5]),
+        expected_placements=[(Shard(1),)],
+    )
 
 
 @pytest.mark.multirank(2)
@@ -464,8 +534,12 @@ def test_mha_batch_sharded_is_local(domain_mesh, batch_first, sizes, need_weight
     padding = torch.randn(4, L, generator=g)  # float: a boolean one meets torch.zeros_like first (even splits only)
     attn_mask = torch.randn(4 * HEADS, L, L, generator=g)
     d = 0 if batch_first else 1
-    module = Attend(nn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first), self_attention=True,
-                    masks=("key_padding_mask", "attn_mask"), need_weights=need_weights)
+    module = Attend(
+        nn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first),
+        self_attention=True,
+        masks=("key_padding_mask", "attn_mask"),
+        need_weights=need_weights,
+    )
     x = torch.randn((4, L, EMBED) if batch_first else (L, 4, EMBED), generator=g)
     specs = [ShardSpec(domain_mesh, [Shard(d)], sizes), ShardSpec(domain_mesh, [Shard(0)], sizes), None]
     expected = [(Shard(d),), (Shard(0),)] if need_weights else [(Shard(d),)]
@@ -544,7 +618,9 @@ def test_ring_in_small_chunks_matches_single_process(domain_mesh, monkeypatch, c
     if case == "additive-mask-grad":  # the score gradient: computed without the fused kernel
         mask = torch.randn(B, 1, 29, lk, generator=g)
         check_conformance(
-            lambda q, k, v, m: SDPA(q, k, v, attn_mask=m), [q, k, v, mask], [*specs, ShardSpec(domain_mesh, [Replicate()])]
+            lambda q, k, v, m: SDPA(q, k, v, attn_mask=m),
+            [q, k, v, mask],
+            [*specs, ShardSpec(domain_mesh, [Replicate()])],
         )
         return
     check_conformance(lambda q, k, v: SDPA(q, k, v, **options), [q, k, v], specs)
@@ -590,8 +666,11 @@ def test_ring_in_small_chunks_moves_the_analytic_minimum(domain_mesh, monkeypatc
 # -- a replicated query against sharded keys/values (FLARE's global queries) ----------------------
 def _global_queries(slots: int, lk: int, *, heads_kv: int = H, seed: int = 3) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, slots, E, generator=g), torch.randn(B, heads_kv, lk, E, generator=g),
-            torch.randn(B, heads_kv, lk, E, generator=g)]
+    return [
+        torch.randn(B, H, slots, E, generator=g),
+        torch.randn(B, heads_kv, lk, E, generator=g),
+        torch.randn(B, heads_kv, lk, E, generator=g),
+    ]
 
 
 @pytest.mark.multirank(2)
@@ -601,8 +680,10 @@ def test_replicated_query_against_sharded_kv(domain_mesh, kv_split, option):
     heads_kv = 1 if option == "gqa" else H
     q, k, v = _global_queries(5, 13, heads_kv=heads_kv)
     kwargs = {"causal": {"is_causal": True}, "gqa": {"enable_gqa": True}, "scale": {"scale": 0.2}}.get(option, {})
-    mask = {"bool-mask": torch.rand(5, 13, generator=torch.Generator().manual_seed(1)) > 0.3,
-            "additive-mask": torch.randn(1, H, 5, 13)}.get(option)
+    mask = {
+        "bool-mask": torch.rand(5, 13, generator=torch.Generator().manual_seed(1)) > 0.3,
+        "additive-mask": torch.randn(1, H, 5, 13),
+    }.get(option)
 
     def fn(q, k, v):
         return SDPA(q, k, v, attn_mask=mask, **kwargs)
@@ -617,8 +698,12 @@ def test_replicated_query_on_four_ranks_with_a_trainable_query(domain_mesh):
     # q is a parameter-like replicated tensor: its gradient is the sum over every rank's keys.
     q, k, v = _global_queries(3, 17)
     kv = ShardSpec(domain_mesh, [Shard(2)], [6, 0, 7, 4])
-    check_conformance(lambda q, k, v: SDPA(q, k, v), [q, k, v], [ShardSpec(domain_mesh, [Replicate()]), kv, kv],
-                      expected_placements=[Replicate()])
+    check_conformance(
+        lambda q, k, v: SDPA(q, k, v),
+        [q, k, v],
+        [ShardSpec(domain_mesh, [Replicate()]), kv, kv],
+        expected_placements=[Replicate()],
+    )
 
 
 # -- q, k and v split alike on the batch or head dim: local --------------------------------------

@@ -40,8 +40,11 @@ from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_ten
 _CUDA_MESH = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 _NO_CUDA = "needs a CUDA GPU for each of the 2 ranks (the mesh fixtures are CPU/gloo meshes otherwise)"
 PRECISIONS = [
-    pytest.param(torch.bfloat16, id="cpu-bf16",
-                 marks=pytest.mark.skipif(_CUDA_MESH, reason="the mesh fixtures are CUDA meshes on this machine")),
+    pytest.param(
+        torch.bfloat16,
+        id="cpu-bf16",
+        marks=pytest.mark.skipif(_CUDA_MESH, reason="the mesh fixtures are CUDA meshes on this machine"),
+    ),
     pytest.param(torch.bfloat16, id="cuda-bf16", marks=pytest.mark.skipif(not _CUDA_MESH, reason=_NO_CUDA)),
     pytest.param(torch.float16, id="cuda-fp16", marks=pytest.mark.skipif(not _CUDA_MESH, reason=_NO_CUDA)),
 ]
@@ -70,9 +73,11 @@ class _Fn(nn.Module):
 
 def _after_linear(make: Callable[[], Any], width: int = SHAPE[-1]) -> Callable[[], nn.Module]:
     """The op fed by a Linear over the last dim: under autocast its input is low precision."""
+
     def build() -> nn.Module:
         op = make()
         return nn.Sequential(nn.Linear(width, width), op if isinstance(op, nn.Module) else _Fn(op))
+
     return build
 
 
@@ -83,6 +88,7 @@ def _randomized(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
             for p in module.parameters():
                 p.uniform_(0.5, 1.5)
         return module
+
     return build
 
 
@@ -90,75 +96,102 @@ def _both(cases: dict[str, Case]) -> dict[str, Case]:
     """Each case as called (float32 data) and after a Linear (low-precision data)."""
     result = dict(cases)
     for name, case in cases.items():
-        result[f"{name}-after-linear"] = Case(_after_linear(case.make, case.shape[-1]), case.shape, case.dim,
-                                              case.split, case.options)
+        result[f"{name}-after-linear"] = Case(
+            _after_linear(case.make, case.shape[-1]), case.shape, case.dim, case.split, case.options
+        )
     return result
 
 
 def _run(case: Case, mesh, dtype: torch.dtype):
     x = torch.randn(case.shape)
-    return check_conformance(case.make(), [x], ShardSpec(mesh, [Shard(case.dim)], list(case.split)),
-                             autocast=dtype, count_comms=False, **case.options)
+    return check_conformance(
+        case.make(),
+        [x],
+        ShardSpec(mesh, [Shard(case.dim)], list(case.split)),
+        autocast=dtype,
+        count_comms=False,
+        **case.options,
+    )
 
 
 # -- families with no CPU autocast rule: as called, and on low-precision data ------------------
-POINTWISE = _both({
-    "gelu": Case(lambda: F.gelu),
-    "gelu-tanh": Case(lambda: lambda t: F.gelu(t, approximate="tanh")),
-    "silu": Case(lambda: F.silu),
-    "sigmoid-mul": Case(lambda: lambda t: torch.sigmoid(t) * t),
-    "leaky-relu": Case(lambda: nn.LeakyReLU(0.1)),
-})
-NORMALIZATION = _both({
-    "batch-norm": Case(_randomized(lambda: nn.BatchNorm2d(4))),
-    "instance-norm-stats": Case(_randomized(lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True))),
-    "layer-norm-sharded": Case(_randomized(lambda: nn.LayerNorm([4, 17, 6]))),
-    "layer-norm-local": Case(_randomized(lambda: nn.LayerNorm(6))),
-    "group-norm": Case(_randomized(lambda: nn.GroupNorm(2, 4))),
-    "rms-norm-sharded": Case(_randomized(lambda: nn.RMSNorm([17, 6]))),
-    "rms-norm-local": Case(_randomized(lambda: nn.RMSNorm(6))),
-})
-SOFTMAX_CUMSUM = _both({
-    "softmax-sharded-dim": Case(lambda: lambda t: F.softmax(t, dim=2)),
-    "log-softmax-sharded-dim": Case(lambda: lambda t: F.log_softmax(t, dim=2)),
-    "softmax-local-dim": Case(lambda: lambda t: torch.softmax(t, dim=3)),
-    "cumsum-sharded-dim": Case(lambda: lambda t: t.cumsum(2), options={"atol": 1e-4}),
-})
-ROLL_FLIP = _both({
-    "roll": Case(lambda: lambda t: torch.roll(t, 5, 2)),
-    "roll-two-dims": Case(lambda: lambda t: torch.roll(t, (-3, 2), (2, 3))),
-    "flip": Case(lambda: lambda t: torch.flip(t, [2])),
-})
-FINITE_DIFFERENCES = _both({
-    "gradient": Case(lambda: lambda t: torch.gradient(t, dim=2)[0]),
-    "gradient-edge2-spacing": Case(lambda: lambda t: torch.gradient(t, spacing=0.5, dim=2, edge_order=2)[0]),
-    "diff": Case(lambda: lambda t: torch.diff(t, dim=2)),
-    "diff-n3": Case(lambda: lambda t: torch.diff(t, n=3, dim=2)),
-})
-PADDING = _both({
-    mode: Case(lambda mode=mode: lambda t: F.pad(t, (1, 2, 3, 2), mode=mode))
-    for mode in ("reflect", "replicate", "circular")
-} | {"constant": Case(lambda: lambda t: F.pad(t, (1, 2, 3, 2), value=0.5))})
-POOLING = _both({
-    "max-k3-s2-p1": Case(lambda: lambda t: F.max_pool2d(t, 3, stride=2, padding=1)),
-    "avg-k2": Case(lambda: nn.AvgPool2d(2)),
-    "avg-k3-s2-ceil": Case(lambda: lambda t: F.avg_pool2d(t, 3, 2, 1, ceil_mode=True, count_include_pad=False)),
-    "adaptive-avg": Case(lambda: lambda t: F.adaptive_avg_pool2d(t, (5, 3))),
-    "adaptive-max": Case(lambda: lambda t: F.adaptive_max_pool2d(t, (4, 3))),
-})
-RESAMPLING = _both({
-    "nearest-x2": Case(lambda: lambda t: F.interpolate(t, scale_factor=2, mode="nearest")),
-    "bilinear-1.5-align": Case(lambda: lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear",
-                                                               align_corners=True)),
-    "bicubic-size": Case(lambda: lambda t: F.interpolate(t, size=(23, 5), mode="bicubic")),
-    "pixel-shuffle": Case(lambda: nn.PixelShuffle(2)),
-})
-LAYOUT_OPS = _both({
-    "permute": Case(lambda: lambda t: t.permute(0, 2, 3, 1) * 1.5, options={"expected_placements": [Shard(1)]}),
-    "cat-channels": Case(lambda: lambda t: torch.cat([t, 3 * t], dim=1)),
-    "flatten-unflatten": Case(lambda: lambda t: t.flatten(2).unflatten(2, (17, 6)) * 1.5),
-    "reshape": Case(lambda: lambda t: t.reshape(2, 2, 2, 17, 6).sum(1)),
-})
+POINTWISE = _both(
+    {
+        "gelu": Case(lambda: F.gelu),
+        "gelu-tanh": Case(lambda: lambda t: F.gelu(t, approximate="tanh")),
+        "silu": Case(lambda: F.silu),
+        "sigmoid-mul": Case(lambda: lambda t: torch.sigmoid(t) * t),
+        "leaky-relu": Case(lambda: nn.LeakyReLU(0.1)),
+    }
+)
+NORMALIZATION = _both(
+    {
+        "batch-norm": Case(_randomized(lambda: nn.BatchNorm2d(4))),
+        "instance-norm-stats": Case(_randomized(lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True))),
+        "layer-norm-sharded": Case(_randomized(lambda: nn.LayerNorm([4, 17, 6]))),
+        "layer-norm-local": Case(_randomized(lambda: nn.LayerNorm(6))),
+        "group-norm": Case(_randomized(lambda: nn.GroupNorm(2, 4))),
+        "rms-norm-sharded": Case(_randomized(lambda: nn.RMSNorm([17, 6]))),
+        "rms-norm-local": Case(_randomized(lambda: nn.RMSNorm(6))),
+    }
+)
+SOFTMAX_CUMSUM = _both(
+    {
+        "softmax-sharded-dim": Case(lambda: lambda t: F.softmax(t, dim=2)),
+        "log-softmax-sharded-dim": Case(lambda: lambda t: F.log_softmax(t, dim=2)),
+        "softmax-local-dim": Case(lambda: lambda t: torch.softmax(t, dim=3)),
+        "cumsum-sharded-dim": Case(lambda: lambda t: t.cumsum(2), options={"atol": 1e-4}),
+    }
+)
+ROLL_FLIP = _both(
+    {
+        "roll": Case(lambda: lambda t: torch.roll(t, 5, 2)),
+        "roll-two-dims": Case(lambda: lambda t: torch.roll(t, (-3, 2), (2, 3))),
+        "flip": Case(lambda: lambda t: torch.flip(t, [2])),
+    }
+)
+FINITE_DIFFERENCES = _both(
+    {
+        "gradient": Case(lambda: lambda t: torch.gradient(t, dim=2)[0]),
+        "gradient-edge2-spacing": Case(lambda: lambda t: torch.gradient(t, spacing=0.5, dim=2, edge_order=2)[0]),
+        "diff": Case(lambda: lambda t: torch.diff(t, dim=2)),
+        "diff-n3": Case(lambda: lambda t: torch.diff(t, n=3, dim=2)),
+    }
+)
+PADDING = _both(
+    {
+        mode: Case(lambda mode=mode: lambda t: F.pad(t, (1, 2, 3, 2), mode=mode))
+        for mode in ("reflect", "replicate", "circular")
+    }
+    | {"constant": Case(lambda: lambda t: F.pad(t, (1, 2, 3, 2), value=0.5))}
+)
+POOLING = _both(
+    {
+        "max-k3-s2-p1": Case(lambda: lambda t: F.max_pool2d(t, 3, stride=2, padding=1)),
+        "avg-k2": Case(lambda: nn.AvgPool2d(2)),
+        "avg-k3-s2-ceil": Case(lambda: lambda t: F.avg_pool2d(t, 3, 2, 1, ceil_mode=True, count_include_pad=False)),
+        "adaptive-avg": Case(lambda: lambda t: F.adaptive_avg_pool2d(t, (5, 3))),
+        "adaptive-max": Case(lambda: lambda t: F.adaptive_max_pool2d(t, (4, 3))),
+    }
+)
+RESAMPLING = _both(
+    {
+        "nearest-x2": Case(lambda: lambda t: F.interpolate(t, scale_factor=2, mode="nearest")),
+        "bilinear-1.5-align": Case(
+            lambda: lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear", align_corners=True)
+        ),
+        "bicubic-size": Case(lambda: lambda t: F.interpolate(t, size=(23, 5), mode="bicubic")),
+        "pixel-shuffle": Case(lambda: nn.PixelShuffle(2)),
+    }
+)
+LAYOUT_OPS = _both(
+    {
+        "permute": Case(lambda: lambda t: t.permute(0, 2, 3, 1) * 1.5, options={"expected_placements": [Shard(1)]}),
+        "cat-channels": Case(lambda: lambda t: torch.cat([t, 3 * t], dim=1)),
+        "flatten-unflatten": Case(lambda: lambda t: t.flatten(2).unflatten(2, (17, 6)) * 1.5),
+        "reshape": Case(lambda: lambda t: t.reshape(2, 2, 2, 17, 6).sum(1)),
+    }
+)
 LAYOUT_OPS |= {
     # prelu has a CPU autocast rule (lower precision); cat of bf16 and float32 promotes.
     "prelu": Case(lambda: nn.PReLU(4)),
@@ -193,28 +226,52 @@ LINEAR = {
 # -- spectral families: FFTs have no CPU autocast rule and refuse bf16 input ---------------------
 FFT = {
     "rfft2": Case(lambda: torch.fft.rfft2, options={"atol": 1e-4, "expected_placements": None}),
-    "rfft2-irfft2": Case(lambda: lambda t: torch.fft.irfft2(torch.fft.rfft2(t) * 0.5, s=t.shape[-2:]),
-                         options={"atol": 1e-4}),
-    "fftn-ortho": Case(lambda: lambda t: torch.fft.fftn(t, dim=(2, 3), norm="ortho").abs(),
-                       options={"atol": 1e-4, "expected_placements": None}),
+    "rfft2-irfft2": Case(
+        lambda: lambda t: torch.fft.irfft2(torch.fft.rfft2(t) * 0.5, s=t.shape[-2:]), options={"atol": 1e-4}
+    ),
+    "fftn-ortho": Case(
+        lambda: lambda t: torch.fft.fftn(t, dim=(2, 3), norm="ortho").abs(),
+        options={"atol": 1e-4, "expected_placements": None},
+    ),
 }
 SPECTRAL = {
     # PhysicsNeMo's FNO spectral conv: its einsum is on complex operands (no autocast rule).
-    "fno-spectral-conv2d": Case(lambda: SpectralConv2d(3, 3, 3, 4), shape=(2, 3, 10, 12), split=(6, 4),
-                                options={"atol": 1e-4}),
+    "fno-spectral-conv2d": Case(
+        lambda: SpectralConv2d(3, 3, 3, 4), shape=(2, 3, 10, 12), split=(6, 4), options={"atol": 1e-4}
+    ),
 }
 AFNO = {
-    "afno2d-layer": Case(lambda: AFNO2DLayer(hidden_size=8, num_blocks=2), shape=(2, 10, 12, 8), dim=1, split=(7, 3),
-                         options={"atol": 1e-4}),
-    "afno2d-layer-thresholded": Case(lambda: AFNO2DLayer(hidden_size=8, num_blocks=4, hard_thresholding_fraction=0.5),
-                                     shape=(2, 10, 12, 8), dim=1, split=(7, 3), options={"atol": 1e-4}),
+    "afno2d-layer": Case(
+        lambda: AFNO2DLayer(hidden_size=8, num_blocks=2),
+        shape=(2, 10, 12, 8),
+        dim=1,
+        split=(7, 3),
+        options={"atol": 1e-4},
+    ),
+    "afno2d-layer-thresholded": Case(
+        lambda: AFNO2DLayer(hidden_size=8, num_blocks=4, hard_thresholding_fraction=0.5),
+        shape=(2, 10, 12, 8),
+        dim=1,
+        split=(7, 3),
+        options={"atol": 1e-4},
+    ),
 }
 
 FAMILIES = {
-    "pointwise": POINTWISE, "normalization": NORMALIZATION, "softmax_cumsum": SOFTMAX_CUMSUM,
-    "roll_flip": ROLL_FLIP, "finite_differences": FINITE_DIFFERENCES, "padding": PADDING,
-    "convolution": CONVOLUTION, "linear": LINEAR, "pooling": POOLING, "resampling": RESAMPLING, "fft": FFT,
-    "indexing_einsum": SPECTRAL, "afno": AFNO, "layout_ops": LAYOUT_OPS,
+    "pointwise": POINTWISE,
+    "normalization": NORMALIZATION,
+    "softmax_cumsum": SOFTMAX_CUMSUM,
+    "roll_flip": ROLL_FLIP,
+    "finite_differences": FINITE_DIFFERENCES,
+    "padding": PADDING,
+    "convolution": CONVOLUTION,
+    "linear": LINEAR,
+    "pooling": POOLING,
+    "resampling": RESAMPLING,
+    "fft": FFT,
+    "indexing_einsum": SPECTRAL,
+    "afno": AFNO,
+    "layout_ops": LAYOUT_OPS,
 }
 CASES = [(family, name) for family, cases in FAMILIES.items() for name in sorted(cases)]
 
@@ -253,8 +310,9 @@ def test_family_matches_single_process_autocast_on_one_gpu(domain_mesh, family, 
 
 
 def _autocasts_on_cpu(family: str, name: str) -> bool:
-    return family in {"convolution", "linear", "afno"} or "after-linear" in name or name in {
-        "prelu", "cat-bf16-with-fp32"}
+    return (
+        family in {"convolution", "linear", "afno"} or "after-linear" in name or name in {"prelu", "cat-bf16-with-fp32"}
+    )
 
 
 @pytest.mark.multirank(2)

@@ -20,8 +20,8 @@ from physicsnemo_shardext.patches.convolution import (
     conv_transpose_row_plan,
     sharded_conv,
 )
-from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 from physicsnemo_shardext.ranks.comm_accounting import CommCounter
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -88,7 +88,11 @@ MODULES = {
     "T-k3s3-dil2-op1": lambda: nn.ConvTranspose2d(3, 2, 3, stride=3, padding=2, output_padding=1, dilation=2),
 }
 CASES = [(name, [10, 7]) for name in MODULES] + [
-    ("k4s2p1", [16, 1]), ("k9-same", [16, 1]), ("k3s2p1", [1, 16]), ("T-k3s2p1op1", [16, 1]), ("T-k3s2p1op1", [1, 16]),
+    ("k4s2p1", [16, 1]),
+    ("k9-same", [16, 1]),
+    ("k3s2p1", [1, 16]),
+    ("T-k3s2p1op1", [16, 1]),
+    ("T-k3s2p1op1", [1, 16]),
 ]
 
 
@@ -136,9 +140,12 @@ def test_conv_padding_modes_periodic_and_mirrored(domain_mesh, mode):
 @pytest.mark.multirank(2)
 def test_pix2pix_like_stack_on_uneven_shards(domain_mesh):
     model = nn.Sequential(
-        nn.ReflectionPad2d(3), nn.Conv2d(2, 4, 7), nn.ReLU(),
+        nn.ReflectionPad2d(3),
+        nn.Conv2d(2, 4, 7),
+        nn.ReLU(),
         nn.Conv2d(4, 6, 3, stride=2, padding=1),
-        nn.ReflectionPad2d(1), nn.Conv2d(6, 6, 3),
+        nn.ReflectionPad2d(1),
+        nn.Conv2d(6, 6, 3),
         nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1),
         nn.Conv2d(4, 2, 4, stride=2, padding=1),
     )
@@ -270,7 +277,9 @@ def test_conv_stack_under_cpu_autocast_bf16(domain_mesh, split):
     # The second conv gets a bf16 activation and float32 parameters: torch's autocast casts
     # them all to bf16, and so must the sharded run (shape checks included).
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 3, 3, padding=1),
-                          nn.ConvTranspose2d(3, 2, 3, padding=1))
-    check_conformance(model, [torch.randn(1, 2, 9, 6)], ShardSpec(domain_mesh, [Shard(2)], split),
-                      autocast=torch.bfloat16)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 3, 3, padding=1), nn.ConvTranspose2d(3, 2, 3, padding=1)
+    )
+    check_conformance(
+        model, [torch.randn(1, 2, 9, 6)], ShardSpec(domain_mesh, [Shard(2)], split), autocast=torch.bfloat16
+    )

@@ -111,8 +111,9 @@ def _full(rank: int) -> torch.Tensor:
 @pytest.mark.multirank(2)
 def test_grad_layout_rules(domain_mesh, rank):
     """Replicate -> local slice; Partial over Shard -> reduced then sliced; even Shard -> re-cut to uneven."""
-    from physicsnemo_shardext.patches.fallback_fix import grad_in_input_layout
     from torch.distributed.tensor import distribute_tensor
+
+    from physicsnemo_shardext.patches.fallback_fix import grad_in_input_layout
 
     full = _full(rank)
     primal = shard_tensor(full, domain_mesh, [Shard(1)], [6, 1])
@@ -177,7 +178,10 @@ def test_backward_entry_handlers_are_installed_with_provenance():
 @pytest.mark.parametrize(
     "why, patch",
     [
-        ("passthrough", lambda mp: mp.setattr(ShardTensor, "_autograd_passthrough_functions", frozenset(BACKWARD_ENTRIES))),
+        (
+            "passthrough",
+            lambda mp: mp.setattr(ShardTensor, "_autograd_passthrough_functions", frozenset(BACKWARD_ENTRIES)),
+        ),
         ("private torch API", lambda mp: mp.delattr(torch.autograd.graph, "_engine_run_backward")),
     ],
 )
@@ -325,11 +329,15 @@ def test_metadata_passthrough_is_installed_with_provenance_and_undone_exactly():
 
 
 @pytest.mark.multirank(4)
-@pytest.mark.parametrize("placements,sizes", [
-    ([Shard(2), Replicate()], {0: [6, 3]}),
-    ([Shard(2), Shard(3)], {0: [6, 3], 1: [1, 4]}),
-    ([Partial(), Shard(1)], {1: [2, 1]}),
-], ids=["shard-replicate", "shard-shard", "partial-shard"])
+@pytest.mark.parametrize(
+    "placements,sizes",
+    [
+        ([Shard(2), Replicate()], {0: [6, 3]}),
+        ([Shard(2), Shard(3)], {0: [6, 3], 1: [1, 4]}),
+        ([Partial(), Shard(1)], {1: [2, 1]}),
+    ],
+    ids=["shard-replicate", "shard-shard", "partial-shard"],
+)
 def test_metadata_reads_answer_what_the_fallback_answers_without_it(spatial_mesh, placements, sizes, monkeypatch):
     """Each read, with the passthrough, equals the DTensor fallback's answer, and no longer converts to DTensor."""
     full = torch.randn(2, 3, 9, 5, dtype=torch.float64)
@@ -390,4 +398,3 @@ def test_operators_named_like_in_place_ones_leave_their_operand_alone(domain_mes
     values = shard_tensor(torch.arange(8.0), domain_mesh, [Shard(0)], [5, 3], requires_grad=True)
     negated = -(values * 1.0)  # __neg__: not in place either
     torch.testing.assert_close(negated.full_tensor(), -torch.arange(8.0))
-

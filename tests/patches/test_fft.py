@@ -69,8 +69,12 @@ def test_transform_matches_single_process(domain_mesh, name, norm):
     fn = getattr(torch.fft, name)
     x = _input_for(name, (2, 3, 8, 6))
     report = check_conformance(
-        lambda t: fn(t, norm=norm, **CALLS[name]), [x], ShardSpec(domain_mesh, [Shard(2)], [5, 3]),
-        expected_placements=None, atol=1e-4, rtol=1e-4,
+        lambda t: fn(t, norm=norm, **CALLS[name]),
+        [x],
+        ShardSpec(domain_mesh, [Shard(2)], [5, 3]),
+        expected_placements=None,
+        atol=1e-4,
+        rtol=1e-4,
     )
     # Never a gather: the sharded dim's transform costs one all-to-all each way (or none).
     assert set(report.comms.forward.counts) <= {"c10d.alltoall_base_"}
@@ -106,29 +110,42 @@ def test_transform_of_unsharded_dims_only_is_local(domain_mesh):
 def test_rfft_along_the_sharded_last_dim_uses_a_free_dim(domain_mesh):
     x = torch.randn(2, 4, 9)
     # The last (sharded) dim can't take the real-to-complex step first: it is moved to dim 1 and cut after.
-    check_conformance(lambda t: torch.fft.rfft2(t), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 3]),
-                      expected_placements=[Shard(1)])
+    check_conformance(
+        lambda t: torch.fft.rfft2(t), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 3]), expected_placements=[Shard(1)]
+    )
     # 1-D transform of the sharded dim: the shard goes to a non-transformed dim (the largest).
-    check_conformance(lambda t: torch.fft.rfft(t), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 3]),
-                      expected_placements=[Shard(1)])
+    check_conformance(
+        lambda t: torch.fft.rfft(t), [x], ShardSpec(domain_mesh, [Shard(2)], [6, 3]), expected_placements=[Shard(1)]
+    )
 
 
 @pytest.mark.multirank(4)
 @pytest.mark.parametrize("name", ["rfft2", "irfft2", "fftn"])
 def test_four_ranks_with_tiny_and_empty_shards(domain_mesh, name):
     x = _input_for(name, (1, 2, 9, 7))
-    check_conformance(getattr(torch.fft, name), [x], ShardSpec(domain_mesh, [Shard(2)], [5, 2, 1, 1]),
-                      expected_placements=None, atol=1e-4)
-    check_conformance(getattr(torch.fft, name), [x], ShardSpec(domain_mesh, [Shard(2)], [0, 6, 0, 3]),
-                      expected_placements=None, atol=1e-4)
+    check_conformance(
+        getattr(torch.fft, name),
+        [x],
+        ShardSpec(domain_mesh, [Shard(2)], [5, 2, 1, 1]),
+        expected_placements=None,
+        atol=1e-4,
+    )
+    check_conformance(
+        getattr(torch.fft, name),
+        [x],
+        ShardSpec(domain_mesh, [Shard(2)], [0, 6, 0, 3]),
+        expected_placements=None,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.multirank(4)
 def test_pencil_decomposition_on_a_2x2_mesh(spatial_mesh):
     x = torch.randn(2, 6, 5, 8)
     spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [4, 2], 1: [1, 4]})
-    report = check_conformance(torch.fft.rfftn, [x], spec, kwargs={"dim": (1, 2, 3)},
-                               expected_placements=[Shard(2), Shard(3)])
+    report = check_conformance(
+        torch.fft.rfftn, [x], spec, kwargs={"dim": (1, 2, 3)}, expected_placements=[Shard(2), Shard(3)]
+    )
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}  # one transpose per mesh dim
     roundtrip = lambda t: torch.fft.irfftn(torch.fft.rfftn(t, dim=(1, 2, 3)), s=(6, 5, 8), dim=(1, 2, 3))  # noqa: E731
     report = check_conformance(roundtrip, [x], spec)
@@ -143,8 +160,9 @@ def test_pencil_rfft2_ends_on_frequency_dims_only(spatial_mesh):
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [4, 3]})
     report = check_conformance(torch.fft.rfft2, [x], spec, expected_placements=[Shard(3), Shard(2)])
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 3}  # W->C, H->W, C->H
-    check_conformance(torch.fft.fft2, [x.to(torch.complex64)], spec, expected_placements=[Shard(3), Shard(2)],
-                      atol=1e-4)
+    check_conformance(
+        torch.fft.fft2, [x.to(torch.complex64)], spec, expected_placements=[Shard(3), Shard(2)], atol=1e-4
+    )
     roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t), s=(9, 7))  # noqa: E731
     report = check_conformance(roundtrip, [x], spec, expected_placements=[Shard(2), Shard(3)])
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 6}

@@ -26,14 +26,18 @@ def test_plain_points_reach_physicsnemo_search():
     found = neighbor_radius_search(points, points[:5], radius=0.3)
     # every query point is its own neighbour
     starts = found.neighbors_row_splits[:-1]
-    assert all(int(i) in found.neighbors_index[s:e].tolist()
-               for i, (s, e) in enumerate(zip(starts, found.neighbors_row_splits[1:])))
+    assert all(
+        int(i) in found.neighbors_index[s:e].tolist()
+        for i, (s, e) in enumerate(zip(starts, found.neighbors_row_splits[1:]))
+    )
 
 
 @pytest.mark.multirank(2)
 def test_sharded_points_are_refused_by_name(domain_mesh):
     from physicsnemo.models.figconvnet.neighbor_ops import neighbor_radius_search
 
-    points = shard_tensor(torch.rand(10, 3, generator=torch.Generator().manual_seed(0)), domain_mesh, [Shard(0)], [7, 3])
+    points = shard_tensor(
+        torch.rand(10, 3, generator=torch.Generator().manual_seed(0)), domain_mesh, [Shard(0)], [7, 3]
+    )
     with pytest.raises(MissingShardPatch, match=f"{WARP_SEARCH}.radius_search_warp".replace(".", r"\.")):
         neighbor_radius_search(points, points, radius=0.3)

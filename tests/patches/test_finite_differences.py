@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
@@ -104,8 +103,9 @@ def test_diff_output_sizes_and_placements(domain_mesh):
 def test_diff_with_prepend_and_append(domain_mesh, split):
     x, before, after = torch.randn(SHAPE), torch.randn(2, 3, 2, 5), torch.randn(2, 3, 1, 5)
     spec = ShardSpec(domain_mesh, [Shard(2)], split)
-    check_conformance(lambda t, p, a: torch.diff(t, n=2, dim=2, prepend=p, append=a), [x, before, after],
-                      [spec, None, None])
+    check_conformance(
+        lambda t, p, a: torch.diff(t, n=2, dim=2, prepend=p, append=a), [x, before, after], [spec, None, None]
+    )
     check_conformance(lambda t, a: torch.diff(t, n=4, dim=2, append=a), [x, after], [spec, None])
 
 
@@ -144,8 +144,7 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
     for fn, bound in cases:
         with torch.no_grad(), CommCounter() as patched:
             fn(x)
-        with physicsnemo_shardext.disabled(plugins=["finite_differences"]), torch.no_grad(), \
-                CommCounter() as fallback:
+        with physicsnemo_shardext.disabled(plugins=["finite_differences"]), torch.no_grad(), CommCounter() as fallback:
             fn(x)
         assert fallback.stats.total_bytes >= 32 * row  # the fallback all-gathers the activation
         assert patched.stats.total_bytes <= bound < fallback.stats.total_bytes
@@ -172,7 +171,9 @@ def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
 DELEGATED_CONFIGURATIONS = {
     "coordinates-requiring-grad": (
         lambda t: torch.gradient(t, spacing=[torch.tensor([0.0, 1.0, 3.0, 4.5, 7.0], requires_grad=True)], dim=0)[0],
-        0, [Replicate()]),
+        0,
+        [Replicate()],
+    ),
     "prepend-shard-tensor-uneven": (lambda t: torch.diff(t, dim=0, prepend=t), 0, [Replicate()]),
     "prepend-shard-tensor-other-dim": (lambda t: torch.diff(t, dim=1, prepend=t), 1, None),
 }
@@ -264,8 +265,12 @@ def test_shard_tensor_coordinates_are_delegated_where_the_fallback_is_right(doma
     runs = []
     for disabled in (False, True):
         xs = shard_tensor(x, domain_mesh, [Shard(1)], split, requires_grad=True)
-        cs = shard_tensor(coords, domain_mesh, [Replicate()] if layout == "replicate" else [Shard(0)],
-                          None if layout == "replicate" else split)
+        cs = shard_tensor(
+            coords,
+            domain_mesh,
+            [Replicate()] if layout == "replicate" else [Shard(0)],
+            None if layout == "replicate" else split,
+        )
         if disabled:
             with physicsnemo_shardext.disabled(plugins=["finite_differences"]):
                 (out,) = torch.gradient(xs, spacing=[cs], dim=1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from physicsnemo.nn.module.spectral_layers import SpectralConv2d, SpectralConv3d
 from physicsnemo.domain_parallel import ShardTensor
+from physicsnemo.nn.module.spectral_layers import SpectralConv2d, SpectralConv3d
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
@@ -36,8 +36,9 @@ def test_slicing_a_sharded_dim_is_local(domain_mesh, key, split):
     x = torch.randn(2, 3, 6, 8, dtype=torch.complex64)
     index = SLICES[key]
     expected = [Shard(2)] if key == "int-on-local-dim" else [Shard(3)]
-    report = check_conformance(lambda t: t[index], [x], ShardSpec(domain_mesh, [Shard(3)], split),
-                               expected_placements=expected)
+    report = check_conformance(
+        lambda t: t[index], [x], ShardSpec(domain_mesh, [Shard(3)], split), expected_placements=expected
+    )
     assert report.comms.forward.total_calls == 0 and report.comms.backward.total_calls == 0
 
 
@@ -102,8 +103,12 @@ def test_einsum_with_ellipsis_over_sharded_dims(domain_mesh):
 @pytest.mark.parametrize("split", [[4, 2], [6, 0]], ids=["uneven", "empty"])
 def test_einsum_contracting_a_sharded_index_sums_over_the_ranks(domain_mesh, split):
     # Each rank holds the sum over its own rows; one all-reduce makes the total, Replicate.
-    report = check_conformance(lambda x: torch.einsum("bxy->bx", x), [torch.randn(2, 3, 6)],
-                               ShardSpec(domain_mesh, [Shard(2)], split), expected_placements=[Replicate()])
+    report = check_conformance(
+        lambda x: torch.einsum("bxy->bx", x),
+        [torch.randn(2, 3, 6)],
+        ShardSpec(domain_mesh, [Shard(2)], split),
+        expected_placements=[Replicate()],
+    )
     assert report.comms.forward.counts == {"c10d.allreduce_": 1}
 
 
@@ -117,8 +122,9 @@ def test_einsum_with_an_index_sharded_differently_in_two_operands_is_refused(dom
 
 PARTIAL_EINSUMS = {
     "partial-times-weight": lambda t: torch.einsum("bi,io->bo", t, torch.arange(15.0).reshape(5, 3)),
-    "spectral-mix": lambda t: torch.einsum("bixy,ioxy->boxy", t.reshape(1, 5, 5, 1),
-                                           torch.linspace(-1, 1, 50).reshape(5, 2, 5, 1)),
+    "spectral-mix": lambda t: torch.einsum(
+        "bixy,ioxy->boxy", t.reshape(1, 5, 5, 1), torch.linspace(-1, 1, 50).reshape(5, 2, 5, 1)
+    ),
     "three-operands": lambda t: torch.einsum("bi,io,o->b", t, torch.arange(15.0).reshape(5, 3), torch.ones(3)),
     "two-partial-operands": lambda t: torch.einsum("bi,bi->b", t, t),
 }
@@ -209,8 +215,9 @@ def test_two_indices_on_one_mesh_dim_gather_the_second_operand(domain_mesh, spli
     # "bi,ci->bci" with both operands sharded over the one mesh dim: the local blocks alone would give
     # only the diagonal blocks of the outer product. The output keeps b's split; y is gathered.
     specs = [ShardSpec(domain_mesh, [Shard(0)], splits[0]), ShardSpec(domain_mesh, [Shard(0)], splits[1])]
-    report = check_conformance(lambda x, y: torch.einsum("bi,ci->bci", x, y), [torch.randn(4, 6), torch.randn(5, 6)],
-                               specs)
+    report = check_conformance(
+        lambda x, y: torch.einsum("bi,ci->bci", x, y), [torch.randn(4, 6), torch.randn(5, 6)], specs
+    )
     assert report.comms.forward.counts, "y must be gathered"
 
 
@@ -433,8 +440,9 @@ class AddsEmbedding(torch.nn.Module):
 @pytest.mark.parametrize("reverse", [False, True], ids=["x+e", "add(e,x)"])
 def test_replicated_operand_is_cut_to_the_split_and_its_gradient_is_whole(domain_mesh, shape, reverse):
     # 11 rows split 8/3: the DTensor fallback re-cuts the replicated operand as 6/5 and fails.
-    report = check_conformance(AddsEmbedding(shape, reverse), [torch.randn(2, 11, 4)],
-                               ShardSpec(domain_mesh, [Shard(1)], [8, 3]))
+    report = check_conformance(
+        AddsEmbedding(shape, reverse), [torch.randn(2, 11, 4)], ShardSpec(domain_mesh, [Shard(1)], [8, 3])
+    )
     assert report.comms.forward.total_calls == 0
 
 
@@ -465,8 +473,11 @@ def test_setitem_of_a_trainable_replicated_value_sums_its_gradient(domain_mesh, 
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("target_placement, split", [("replicate", [2, 2]), ("replicate", [3, 1]), ("shard", [2, 2])],
-                         ids=["replicate-even", "replicate-uneven", "shard-chunks"])
+@pytest.mark.parametrize(
+    "target_placement, split",
+    [("replicate", [2, 2]), ("replicate", [3, 1]), ("shard", [2, 2])],
+    ids=["replicate-even", "replicate-uneven", "shard-chunks"],
+)
 def test_setitem_into_a_plain_dtensor_is_delegated_where_the_fallback_is_right(domain_mesh, target_placement, split):
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -475,7 +486,9 @@ def test_setitem_into_a_plain_dtensor_is_delegated_where_the_fallback_is_right(d
     expected[:, 1:3] = value
     results = []
     for disabled in (False, True):
-        target = distribute_tensor(base.clone(), domain_mesh, [Replicate() if target_placement == "replicate" else Shard(0)])
+        target = distribute_tensor(
+            base.clone(), domain_mesh, [Replicate() if target_placement == "replicate" else Shard(0)]
+        )
         vs = shard_tensor(value, domain_mesh, [Shard(0)], split)
         if disabled:
             with physicsnemo_shardext.disabled(plugins=["indexing_einsum"]):
@@ -542,8 +555,9 @@ def test_matmul_operator_forms(domain_mesh):
 @pytest.mark.multirank(4)
 def test_slice_tokens_on_four_ranks_and_a_2x2_mesh(domain_mesh, spatial_mesh):
     w, x = torch.randn(2, 2, 13, 3), torch.randn(2, 2, 13, 4)
-    check_conformance(_slice_tokens, [w, x], ShardSpec(domain_mesh, [Shard(2)], [0, 6, 4, 3]),
-                      expected_placements=[Replicate()])
+    check_conformance(
+        _slice_tokens, [w, x], ShardSpec(domain_mesh, [Shard(2)], [0, 6, 4, 3]), expected_placements=[Replicate()]
+    )
     # batch over mesh dim 0, points over mesh dim 1: the sum runs over mesh dim 1 only
     spec = ShardSpec(spatial_mesh, [Shard(0), Shard(2)], {0: [1, 1], 1: [8, 5]})
     check_conformance(_slice_tokens, [w, x], spec, expected_placements=[Shard(0), Replicate()])

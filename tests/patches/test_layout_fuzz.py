@@ -34,7 +34,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,19 +255,40 @@ def draw_op(draw: st.DrawFn, shape: Sequence[int]) -> Op:
     """One op descriptor that makes sense for ``shape`` (validity is checked by running it)."""
     n = len(shape)
     dim = st.integers(-n, n - 1)
-    kinds = ["reshape", "view", "flatten", "unflatten", "permute", "transpose", "movedim", "contiguous",
-             "getitem", "unbind", "split", "chunk", "split_cat", "chunk_stack", "cat_self", "stack_self",
-             "setitem", "add_view", "mul_view", "transpose_mul_", "add_", "mul_"]
+    kinds = [
+        "reshape",
+        "view",
+        "flatten",
+        "unflatten",
+        "permute",
+        "transpose",
+        "movedim",
+        "contiguous",
+        "getitem",
+        "unbind",
+        "split",
+        "chunk",
+        "split_cat",
+        "chunk_stack",
+        "cat_self",
+        "stack_self",
+        "setitem",
+        "add_view",
+        "mul_view",
+        "transpose_mul_",
+        "add_",
+        "mul_",
+    ]
     kind = draw(st.sampled_from(kinds if _strict() else [k for k in kinds if k not in KNOWN_SILENT_OPS]))
     if kind in ("reshape", "view"):
         new = list(shape)
         d = draw(st.integers(0, n - 1))
         if draw(st.booleans()) and _divisors(shape[d]):  # split a dim in two
             a = draw(st.sampled_from(_divisors(shape[d])))
-            new[d:d + 1] = [a, shape[d] // a]
+            new[d : d + 1] = [a, shape[d] // a]
         elif n >= 2:  # merge a run of dims
             e = draw(st.integers(d, n - 1))
-            new[d:e + 1] = [math.prod(shape[d:e + 1])]
+            new[d : e + 1] = [math.prod(shape[d : e + 1])]
         if draw(st.booleans()):
             new[draw(st.integers(0, len(new) - 1))] = -1
         return (kind, tuple(new))
@@ -319,8 +340,12 @@ def draw_op(draw: st.DrawFn, shape: Sequence[int]) -> Op:
     if kind == "stack_self":
         return (kind, draw(st.integers(-n - 1, n)))
     if kind == "setitem":
-        return (kind, draw(_basic_index(shape)), draw(st.sampled_from(["scalar", "plain", "self"])),
-                draw(st.integers(0, 99)))
+        return (
+            kind,
+            draw(_basic_index(shape)),
+            draw(st.sampled_from(["scalar", "plain", "self"])),
+            draw(st.integers(0, 99)),
+        )
     if kind in ("add_view", "mul_view"):
         return (kind, draw(_basic_index(shape)), draw(st.sampled_from([0.5, -2.0])))
     if kind == "transpose_mul_":
@@ -364,8 +389,10 @@ class Case:
     seed: int
 
     def __repr__(self) -> str:
-        return (f"Case(shape={self.shape}, placements={list(self.placements)}, sizes={self.sizes}, "
-                f"chain={self.chain}, consumer={self.consumer.name!r}/{self.consumer.seed}, seed={self.seed})")
+        return (
+            f"Case(shape={self.shape}, placements={list(self.placements)}, sizes={self.sizes}, "
+            f"chain={self.chain}, consumer={self.consumer.name!r}/{self.consumer.seed}, seed={self.seed})"
+        )
 
 
 def _composition(draw: st.DrawFn, total: int, parts: int) -> list[int]:
@@ -379,8 +406,7 @@ def draw_case(draw: st.DrawFn, mesh_shape: Sequence[int]) -> Case:
     """A random input shape, a random uneven sharding on a mesh of ``mesh_shape``, a chain and a consumer."""
     ndim = draw(st.integers(2, 4))
     shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
-    sharded = draw(st.lists(st.integers(0, ndim - 1), min_size=len(mesh_shape), max_size=len(mesh_shape),
-                            unique=True))
+    sharded = draw(st.lists(st.integers(0, ndim - 1), min_size=len(mesh_shape), max_size=len(mesh_shape), unique=True))
     placements, sizes = [], {}
     for mesh_dim, d in enumerate(sharded):
         if len(mesh_shape) > 1 and draw(st.integers(0, 4)) == 0:
@@ -526,8 +552,15 @@ def fuzz(mesh: Any, examples: int, shrink: bool, failures: list[str] | None = No
     counts: Counter = Counter()
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
 
-    @settings(derandomize=True, database=None, max_examples=examples, deadline=None, phases=phases,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+    @settings(
+        derandomize=True,
+        database=None,
+        max_examples=examples,
+        deadline=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(case=draw_case(tuple(mesh.shape)))
     def prop(case: Case) -> None:
         error: BaseException | None = None

@@ -15,7 +15,6 @@ import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.layout_ops import (
     cat_local,
-    complex_view_local,
     flatten_local,
     stack_local,
     unflatten_local,
@@ -79,9 +78,21 @@ def _expected(name: str, placements: list) -> list:
 
 def test_every_target_is_installed_by_the_plugin():
     registry = physicsnemo_shardext.get_registry()
-    for target in (torch.cat, torch.Tensor.permute, torch.Tensor.transpose, torch.Tensor.contiguous,
-                   torch.stack, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten, torch.unflatten,
-                   torch.Tensor.real.__get__, torch.Tensor.imag.__get__, torch.view_as_real, torch.view_as_complex):
+    for target in (
+        torch.cat,
+        torch.Tensor.permute,
+        torch.Tensor.transpose,
+        torch.Tensor.contiguous,
+        torch.stack,
+        torch.Tensor.flatten,
+        torch.flatten,
+        torch.Tensor.unflatten,
+        torch.unflatten,
+        torch.Tensor.real.__get__,
+        torch.Tensor.imag.__get__,
+        torch.view_as_real,
+        torch.view_as_complex,
+    ):
         record = registry.provenance(target)
         assert record is not None and record.plugin.name == "layout_ops"
 
@@ -110,7 +121,9 @@ def test_layout_op_on_2d_spatial_mesh(spatial_mesh, name):
     x = torch.randn(1, 8, 7, 5, 2)
     placements = [Shard(2), Shard(3)]
     check_conformance(
-        CASES[name], [x], ShardSpec(spatial_mesh, placements, {0: [5, 2], 1: [1, 4]}),
+        CASES[name],
+        [x],
+        ShardSpec(spatial_mesh, placements, {0: [5, 2], 1: [1, 4]}),
         expected_placements=_expected(name, placements),
     )
 
@@ -145,8 +158,10 @@ def test_a_differently_split_operand_is_resplit_to_the_first(domain_mesh, rank, 
 
 @pytest.mark.multirank(4)
 def test_resplit_join_on_a_2d_mesh(spatial_mesh):
-    specs = [ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 3], 1: [2, 4]}),
-             ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 2], 1: [4, 2]})]
+    specs = [
+        ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 3], 1: [2, 4]}),
+        ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 2], 1: [4, 2]}),
+    ]
     check_conformance(RESPLIT_JOINS["cat"], [torch.randn(1, 2, 8, 6), torch.randn(1, 2, 8, 6)], specs)
 
 
@@ -210,9 +225,13 @@ def _assert_delegated(fn, fulls, shards, plugin, placements):
 def test_view_as_complex_of_a_sharded_last_dim_is_delegated_to_the_fallback(domain_mesh):
     # The fallback gathers the real/imag dim: Replicate, values and gradients right.
     full = torch.randn(3, 2, dtype=torch.float64)
-    _assert_delegated(torch.view_as_complex, [full],
-                      [lambda: shard_tensor(full, domain_mesh, [Shard(1)], [1, 1], requires_grad=True)],
-                      "layout_ops", (Replicate(),))
+    _assert_delegated(
+        torch.view_as_complex,
+        [full],
+        [lambda: shard_tensor(full, domain_mesh, [Shard(1)], [1, 1], requires_grad=True)],
+        "layout_ops",
+        (Replicate(),),
+    )
 
 
 @pytest.mark.multirank(2)
@@ -220,22 +239,43 @@ def test_view_as_complex_of_a_sharded_last_dim_is_delegated_to_the_fallback(doma
 def test_cat_along_the_sharded_dim_is_delegated_to_the_fallback(domain_mesh, split):
     # The fallback gathers the sharded dim: Replicate output, values and gradients right on uneven shards.
     a, b = torch.randn(2, 1, 2, 7, dtype=torch.float64)
-    _assert_delegated(lambda x, y: torch.cat([x, y], 2), [a, b],
-                      [lambda: shard_tensor(a, domain_mesh, [Shard(2)], split, requires_grad=True),
-                       lambda: shard_tensor(b, domain_mesh, [Shard(2)], split, requires_grad=True)],
-                      "layout_ops", (Replicate(),))
+    _assert_delegated(
+        lambda x, y: torch.cat([x, y], 2),
+        [a, b],
+        [
+            lambda: shard_tensor(a, domain_mesh, [Shard(2)], split, requires_grad=True),
+            lambda: shard_tensor(b, domain_mesh, [Shard(2)], split, requires_grad=True),
+        ],
+        "layout_ops",
+        (Replicate(),),
+    )
 
 
 LAYOUTS = {
     # name: (op, shapes, placements and splits of the inputs, output placements); every shard holds
     # torch.chunk's rows (8 or 7 rows: 4/4 or 4/3; 2 channels: 1/1), the layout the fallback assumes.
     "cat-shard2-with-shard1": ("cat", 1, [(1, 2, 8), (1, 4, 8)], [(Shard(2), [4, 4]), (Shard(1), [2, 2])], (Shard(2),)),
-    "cat-shard2-with-replicate": ("cat", 1, [(1, 2, 7), (1, 3, 7)], [(Shard(2), [4, 3]), (Replicate(), None)],
-                                  (Shard(2),)),
-    "stack-shard2-with-shard1": ("stack", 1, [(1, 2, 8), (1, 2, 8)], [(Shard(2), [4, 4]), (Shard(1), [1, 1])],
-                                 (Replicate(),)),
-    "stack-shard2-with-replicate": ("stack", 0, [(1, 2, 7), (1, 2, 7)], [(Shard(2), [4, 3]), (Replicate(), None)],
-                                    (Shard(3),)),
+    "cat-shard2-with-replicate": (
+        "cat",
+        1,
+        [(1, 2, 7), (1, 3, 7)],
+        [(Shard(2), [4, 3]), (Replicate(), None)],
+        (Shard(2),),
+    ),
+    "stack-shard2-with-shard1": (
+        "stack",
+        1,
+        [(1, 2, 8), (1, 2, 8)],
+        [(Shard(2), [4, 4]), (Shard(1), [1, 1])],
+        (Replicate(),),
+    ),
+    "stack-shard2-with-replicate": (
+        "stack",
+        0,
+        [(1, 2, 7), (1, 2, 7)],
+        [(Shard(2), [4, 3]), (Replicate(), None)],
+        (Shard(3),),
+    ),
 }
 
 
@@ -244,10 +284,14 @@ LAYOUTS = {
 def test_cat_and_stack_of_different_layouts_with_dtensor_chunks_are_delegated(domain_mesh, name):
     # The fallback redistributes inputs it can take for DTensor's own (torch.chunk) layout: right.
     op, dim, shapes, layouts, placements = LAYOUTS[name]
-    fulls = [torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-             for i, shape in enumerate(shapes)]
-    makers = [lambda f=f, p=p, split=split: shard_tensor(f, domain_mesh, [p], split, requires_grad=True)
-              for f, (p, split) in zip(fulls, layouts)]
+    fulls = [
+        torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        for i, shape in enumerate(shapes)
+    ]
+    makers = [
+        lambda f=f, p=p, split=split: shard_tensor(f, domain_mesh, [p], split, requires_grad=True)
+        for f, (p, split) in zip(fulls, layouts)
+    ]
     _assert_delegated(lambda *ts: getattr(torch, op)(list(ts), dim=dim), fulls, makers, "layout_ops", placements)
 
 
@@ -315,9 +359,12 @@ def test_merging_two_sharded_dims_gathers_the_inner_one(spatial_mesh, name):
     # Points split over two mesh dims would need per-group shard sizes, which DTensor cannot express:
     # W is gathered over the "w" mesh dim (one all-gather), the points are sharded over "h" only.
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [2, 5]})
-    report = check_conformance(GRID_TO_POINTS[name], [torch.randn(1, 2, 9, 7)], spec,
-                               expected_placements=[Shard(0) if name in ("torch_reshape", "view") else Shard(1),
-                                                    Replicate()])
+    report = check_conformance(
+        GRID_TO_POINTS[name],
+        [torch.randn(1, 2, 9, 7)],
+        spec,
+        expected_placements=[Shard(0) if name in ("torch_reshape", "view") else Shard(1), Replicate()],
+    )
     assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) == 1
 
 
@@ -367,7 +414,8 @@ def test_cat_with_a_sharded_plain_dtensor(domain_mesh, split):
     buffer = distribute_tensor(b, domain_mesh, [Shard(1)]).detach().requires_grad_(True)
     out = torch.cat([xs, buffer], dim=2)
     assert out._spec.sharding_shapes()[0] == xs._spec.sharding_shapes()[0][:0] + tuple(
-        torch.Size([1, n, 5]) for n in split)
+        torch.Size([1, n, 5]) for n in split
+    )
     torch.testing.assert_close(out.full_tensor(), expected)
     (out.full_tensor() * weight).sum().backward()
     torch.testing.assert_close(xs.grad.full_tensor(), ra.grad)
@@ -388,7 +436,9 @@ DECODER_RESHAPES = {
 @pytest.mark.parametrize("name", sorted(DECODER_RESHAPES))
 def test_merging_a_batch_of_two_with_the_sharded_dim_is_refused(domain_mesh, name):
     x = shard_tensor(torch.randn(2, 3, 7, 4), domain_mesh, [Shard(2)], [4, 3])
-    with pytest.raises(MissingShardPatch, match=r"merges sharded dim 1 with dims \[0\] in front of it \(sizes \(2,\)\)"):
+    with pytest.raises(
+        MissingShardPatch, match=r"merges sharded dim 1 with dims \[0\] in front of it \(sizes \(2,\)\)"
+    ):
         DECODER_RESHAPES[name](x)
 
 
@@ -396,15 +446,20 @@ def test_merging_a_batch_of_two_with_the_sharded_dim_is_refused(domain_mesh, nam
 @pytest.mark.parametrize("name", sorted(DECODER_RESHAPES))
 def test_merging_a_batch_of_one_with_the_sharded_dim_matches(domain_mesh, name):
     spec = ShardSpec(domain_mesh, [Shard(2)], [4, 3])
-    check_conformance(lambda x: DECODER_RESHAPES[name](x) * 1.5, [torch.randn(1, 3, 7, 4)], spec,
-                      expected_placements=[Shard(0)])
+    check_conformance(
+        lambda x: DECODER_RESHAPES[name](x) * 1.5, [torch.randn(1, 3, 7, 4)], spec, expected_placements=[Shard(0)]
+    )
 
 
 @pytest.mark.multirank(2)
 def test_reshape_keeping_the_batch_dim_apart_still_works_with_two_samples(domain_mesh):
     spec = ShardSpec(domain_mesh, [Shard(2)], [4, 3])
-    check_conformance(lambda x: x.permute(0, 2, 3, 1).reshape(2, -1, 3) * 1.5, [torch.randn(2, 3, 7, 4)], spec,
-                      expected_placements=[Shard(1)])
+    check_conformance(
+        lambda x: x.permute(0, 2, 3, 1).reshape(2, -1, 3) * 1.5,
+        [torch.randn(2, 3, 7, 4)],
+        spec,
+        expected_placements=[Shard(1)],
+    )
 
 
 @pytest.mark.multirank(2)
@@ -455,16 +510,26 @@ def _reverse(windows: torch.Tensor, ws, b: int, h: int, w: int) -> torch.Tensor:
 TOKENS = {
     # name: (fn, channels_last, output sharded on tokens (True) or on H (False))
     "flatten_transpose": (lambda x: x.flatten(2).transpose(1, 2) * 1.5, False, True),
-    "roundtrip_reshape": (lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).reshape(x.shape), False,
-                          False),
+    "roundtrip_reshape": (
+        lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).reshape(x.shape),
+        False,
+        False,
+    ),
     "roundtrip_view": (lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).view(*x.shape), False, False),
-    "roundtrip_unflatten": (lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).unflatten(2, (H, W)), False,
-                            False),
+    "roundtrip_unflatten": (
+        lambda x: (x.flatten(2).transpose(1, 2) * 1.5).transpose(1, 2).unflatten(2, (H, W)),
+        False,
+        False,
+    ),
     "channels_last_reshape": (lambda x: x.reshape(x.shape[0], H * W, C) * 1.5, True, True),
     "channels_last_flatten_roundtrip": (lambda x: (x.flatten(1, 2) * 1.5).view(x.shape), True, False),
 }
-SPLITS = {"H-uneven": ("H", [5, 3]), "H-empty-shard": ("H", [0, 8]), "W-uneven": ("W", [5, 1]),
-          "W-empty-shard": ("W", [0, 6])}
+SPLITS = {
+    "H-uneven": ("H", [5, 3]),
+    "H-empty-shard": ("H", [0, 8]),
+    "W-uneven": ("W", [5, 1]),
+    "W-empty-shard": ("W", [0, 6]),
+}
 
 
 @pytest.mark.multirank(2)
@@ -481,8 +546,12 @@ def test_pixels_to_tokens_and_back(domain_mesh, rank, name, split, batch):
     h_dim, w_dim = (1, 2) if channels_last else (2, 3)
     x = torch.randn(batch, H, W, C) if channels_last else torch.randn(batch, C, H, W)
     out_dim = (1 if channels_last else 2) if not tokens_out else 1
-    report = check_conformance(fn, [x], ShardSpec(domain_mesh, [Shard(h_dim if axis == "H" else w_dim)], sizes),
-                               expected_placements=[Shard(out_dim)])
+    report = check_conformance(
+        fn,
+        [x],
+        ShardSpec(domain_mesh, [Shard(h_dim if axis == "H" else w_dim)], sizes),
+        expected_placements=[Shard(out_dim)],
+    )
     forward, backward = report.comms.forward, report.comms.backward
     if axis == "H":
         assert forward.total_calls == 0 and backward.total_calls == 0
@@ -507,16 +576,20 @@ TOKENS_BACK = {
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("sizes", [[25, 23], [28, 20], [3, 45], [30, 18], [48, 0]],
-                         ids=["one-token-moves", "two-tokens-move", "all-to-one", "aligned", "empty-shard"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[25, 23], [28, 20], [3, 45], [30, 18], [48, 0]],
+    ids=["one-token-moves", "two-tokens-move", "all-to-one", "aligned", "empty-shard"],
+)
 @pytest.mark.parametrize("name", sorted(TOKENS_BACK))
 def test_tokens_back_to_a_grid_move_only_the_straddling_tokens(domain_mesh, rank, name, sizes):
     from physicsnemo_shardext.primitives import aligned_split_sizes
 
     fn, h_dim = TOKENS_BACK[name]
     aligned = aligned_split_sizes(sizes, W)
-    report = check_conformance(fn, [torch.randn(1, H * W, C)], ShardSpec(domain_mesh, [Shard(1)], sizes),
-                               expected_placements=[Shard(h_dim)])
+    report = check_conformance(
+        fn, [torch.randn(1, H * W, C)], ShardSpec(domain_mesh, [Shard(1)], sizes), expected_placements=[Shard(h_dim)]
+    )
     token_bytes = C * 4
     assert _bytes(report.comms.forward) == _sent_rows(sizes, aligned, rank) * token_bytes
     assert _bytes(report.comms.backward) == _sent_rows(aligned, sizes, rank) * token_bytes
@@ -530,8 +603,12 @@ def test_tokens_back_to_a_grid_move_only_the_straddling_tokens(domain_mesh, rank
 def test_tokens_back_to_a_grid_on_four_ranks_with_an_empty_shard(domain_mesh, rank):
     # Boundaries 10, 10, 35 move to 12, 12, 36: rows (12, 0, 24, 12) of tokens, H split 2/0/4/2.
     sizes, aligned = [10, 0, 25, 13], (12, 0, 24, 12)
-    report = check_conformance(TOKENS_BACK["transpose_reshape"][0], [torch.randn(1, H * W, C)],
-                               ShardSpec(domain_mesh, [Shard(1)], sizes), expected_placements=[Shard(2)])
+    report = check_conformance(
+        TOKENS_BACK["transpose_reshape"][0],
+        [torch.randn(1, H * W, C)],
+        ShardSpec(domain_mesh, [Shard(1)], sizes),
+        expected_placements=[Shard(2)],
+    )
     assert _bytes(report.comms.forward) == _sent_rows(sizes, aligned, rank) * C * 4
 
 
@@ -540,8 +617,9 @@ def test_vit_tokens_of_an_h_and_w_sharded_grid_and_back(spatial_mesh):
     # Two sharded dims merged: W is gathered over its mesh dim (one all-gather), the tokens are split
     # over the H mesh dim only; back to the grid without communication (H rows per rank are whole).
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 3], 1: [1, 5]})
-    report = check_conformance(TOKENS["roundtrip_reshape"][0], [torch.randn(1, C, H, W)], spec,
-                               expected_placements=[Shard(2), Replicate()])
+    report = check_conformance(
+        TOKENS["roundtrip_reshape"][0], [torch.randn(1, C, H, W)], spec, expected_placements=[Shard(2), Replicate()]
+    )
     assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) == 1
     assert _bytes(report.comms.forward) == 0
 
@@ -553,15 +631,16 @@ def _shifted(fn, shift: int):
 SWIN = {
     "partition": lambda x, ws: _partition(x, ws) * 1.5,
     "partition_reverse": lambda x, ws: _reverse(_partition(x, ws) * 1.5, ws, 1, H, W),
-    "partition_reverse_shifted": lambda x, ws: _shifted(lambda y: _reverse(_partition(y, ws) * 1.5, ws, 1, H, W),
-                                                        1)(x),
+    "partition_reverse_shifted": lambda x, ws: _shifted(lambda y: _reverse(_partition(y, ws) * 1.5, ws, 1, H, W), 1)(x),
 }
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("sizes,ws", [([4, 4], 2), ([6, 2], 2), ([5, 3], 2), ([7, 1], (4, 2)), ([8, 0], (4, 2)),
-                                     ([3, 5], (4, 3))],
-                         ids=["aligned", "aligned-uneven", "one-row-moves", "to-empty", "empty-shard", "tie-down"])
+@pytest.mark.parametrize(
+    "sizes,ws",
+    [([4, 4], 2), ([6, 2], 2), ([5, 3], 2), ([7, 1], (4, 2)), ([8, 0], (4, 2)), ([3, 5], (4, 3))],
+    ids=["aligned", "aligned-uneven", "one-row-moves", "to-empty", "empty-shard", "tie-down"],
+)
 @pytest.mark.parametrize("name", sorted(SWIN))
 def test_window_partition_and_reverse_with_h_sharded(domain_mesh, rank, name, sizes, ws):
     # Windows straddling a rank boundary: the image rows are re-split to multiples of ws first
@@ -570,9 +649,12 @@ def test_window_partition_and_reverse_with_h_sharded(domain_mesh, rank, name, si
 
     wh, ww = ws if isinstance(ws, tuple) else (ws, ws)
     aligned = aligned_split_sizes(sizes, wh)
-    report = check_conformance(lambda x: SWIN[name](x, ws), [torch.randn(1, H, W, C)],
-                               ShardSpec(domain_mesh, [Shard(1)], sizes),
-                               expected_placements=[Shard(0) if name == "partition" else Shard(1)])
+    report = check_conformance(
+        lambda x: SWIN[name](x, ws),
+        [torch.randn(1, H, W, C)],
+        ShardSpec(domain_mesh, [Shard(1)], sizes),
+        expected_placements=[Shard(0) if name == "partition" else Shard(1)],
+    )
     rows = _sent_rows(sizes, aligned, rank)
     if name == "partition_reverse_shifted":  # roll, re-split, roll back (on the aligned split)
         rows += _rolled_rows(sizes, -1, rank) + _rolled_rows(list(aligned), 1, rank)
@@ -589,13 +671,16 @@ def test_window_partition_and_reverse_with_w_sharded(domain_mesh, rank, name):
     # W split 5/1, windows of 2: the columns are re-split 4/2 (one column moves), then the window
     # dim (nH, nW) merges with nW sharded: the shard moves to nH (one all-to-all, 3/1 window rows).
     # The windows come back sharded on H.
-    report = check_conformance(lambda x: SWIN[name](x, 2), [torch.randn(1, H, W, C)],
-                               ShardSpec(domain_mesh, [Shard(2)], [5, 1]),
-                               expected_placements=[Shard(0) if name == "partition" else Shard(1)])
+    report = check_conformance(
+        lambda x: SWIN[name](x, 2),
+        [torch.randn(1, H, W, C)],
+        ShardSpec(domain_mesh, [Shard(2)], [5, 1]),
+        expected_placements=[Shard(0) if name == "partition" else Shard(1)],
+    )
     if name != "partition_reverse_shifted":
         column = _sent_rows([5, 1], (4, 2), rank) * H * C
-        nw, nh = (2, 1)[rank], (3, 1)[rank]                          # nH = 4 split like nW's 2/1 shares
-        windows = (H // 2 - nh) * nw * 2 * 2 * C                     # (nH - nh) * nw * ws * ws * C
+        nw, nh = (2, 1)[rank], (3, 1)[rank]  # nH = 4 split like nW's 2/1 shares
+        windows = (H // 2 - nh) * nw * 2 * 2 * C  # (nH - nh) * nw * ws * ws * C
         assert _bytes(report.comms.forward) == (column + windows) * 4
         assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
 
@@ -606,8 +691,12 @@ def test_window_partition_and_reverse_on_a_2d_mesh(spatial_mesh, name):
     # H (5/3) and W (1/5) re-split to multiples of 2 on their mesh dims, then the window dim merges
     # nH and nW: nW is gathered over the W mesh dim (one all-gather), windows split over the H mesh dim.
     spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [5, 3], 1: [1, 5]})
-    report = check_conformance(lambda x: SWIN[name](x, 2), [torch.randn(1, H, W, C)], spec,
-                               expected_placements=[Shard(0) if name == "partition" else Shard(1), Replicate()])
+    report = check_conformance(
+        lambda x: SWIN[name](x, 2),
+        [torch.randn(1, H, W, C)],
+        spec,
+        expected_placements=[Shard(0) if name == "partition" else Shard(1), Replicate()],
+    )
     assert sum(n for op, n in report.comms.forward.counts.items() if "gather" in op) == 1
 
 
@@ -617,8 +706,11 @@ def test_window_partition_of_several_samples_is_refused_not_wrong(domain_mesh, s
     # (B, nH, nW, ws, ws, C) -> (B * nH * nW, ...) with nH sharded: each rank's windows of sample 0
     # and sample 1 would interleave in the window dim; no Shard describes that.
     x = shard_tensor(torch.randn(*shape), domain_mesh, [Shard(1)], [4, 4])
-    with pytest.raises(MissingShardPatch, match=rf"merges sharded dim 1 with dims \[0\] .*dim 0 holds {shape[0]} "
-                                                r"samples.*Swin's window partition with B > 1"):
+    with pytest.raises(
+        MissingShardPatch,
+        match=rf"merges sharded dim 1 with dims \[0\] .*dim 0 holds {shape[0]} "
+        r"samples.*Swin's window partition with B > 1",
+    ):
         _partition(x, 2)
 
 
@@ -648,7 +740,7 @@ class _SwinBlock(torch.nn.Module):
         q, k, v = self.qkv(windows).reshape(n, tokens, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
         attn = (q * (c // self.heads) ** -0.5) @ k.transpose(-2, -1) + self.bias
         nw = self.mask.shape[0]
-        attn = (attn.view(-1, nw, self.heads, tokens, tokens) + self.mask.unsqueeze(1).unsqueeze(0))
+        attn = attn.view(-1, nw, self.heads, tokens, tokens) + self.mask.unsqueeze(1).unsqueeze(0)
         out = (attn.view(-1, self.heads, tokens, tokens).softmax(-1) @ v).transpose(1, 2).reshape(n, tokens, c)
         y = _reverse(self.proj(out).view(-1, self.ws, self.ws, c), self.ws, b, h, w)
         x = x + torch.roll(y, (self.shift, self.shift), (1, 2))
@@ -706,8 +798,9 @@ def test_split_along_an_unsharded_dim_keeps_the_shards(domain_mesh, name, split)
     # (2, 9, 6) sharded on dim 1: every piece keeps the 7/2 split (the fallback re-cut them evenly).
     fn = SPLIT_OPS[name]
     n_out = len(fn(torch.zeros(2, 9, 6)))
-    report = check_conformance(fn, [torch.randn(2, 9, 6)], ShardSpec(domain_mesh, [Shard(1)], split),
-                               expected_placements=[[Shard(1)]] * n_out)
+    report = check_conformance(
+        fn, [torch.randn(2, 9, 6)], ShardSpec(domain_mesh, [Shard(1)], split), expected_placements=[[Shard(1)]] * n_out
+    )
     assert not report.comms.forward.counts
 
 
@@ -792,8 +885,12 @@ _ALIAS_CALLS = {
 def test_layout_aliases_on_uneven_shards_match_single_process(domain_mesh, name):
     # Values, the moved shard with its 5/2 rows, and gradients match single-process, with no communication.
     call, dim = _ALIAS_CALLS[name]
-    report = check_conformance(_Layout(call), [torch.randn(2, 3, 7, 4)], ShardSpec(domain_mesh, [Shard(2)], [5, 2]),
-                               expected_placements=[Shard(dim)])
+    report = check_conformance(
+        _Layout(call),
+        [torch.randn(2, 3, 7, 4)],
+        ShardSpec(domain_mesh, [Shard(2)], [5, 2]),
+        expected_placements=[Shard(dim)],
+    )
     assert report.comms.forward.total_calls == 0
 
 
@@ -813,15 +910,24 @@ def _fuzz_regression(fn, full: torch.Tensor, make) -> None:
 
 
 @pytest.mark.multirank(2)
-@pytest.mark.parametrize("index", [(None, Ellipsis, slice(1, None, 3)), (slice(None), None, slice(None), slice(-1, None, 3)),
-                                   (None, slice(1, 3), None, slice(None), slice(2, 6))],
-                         ids=["lead", "middle", "two-new-axes"])
+@pytest.mark.parametrize(
+    "index",
+    [
+        (None, Ellipsis, slice(1, None, 3)),
+        (slice(None), None, slice(None), slice(-1, None, 3)),
+        (None, slice(1, 3), None, slice(None), slice(2, 6)),
+    ],
+    ids=["lead", "middle", "two-new-axes"],
+)
 def test_fuzz_getitem_with_a_new_axis_slices_the_sharded_dim_locally(domain_mesh, index):
     # Found by the fuzzer: with a None the index went to the DTensor fallback, which labels the result
     # with torch.chunk's rows ("expected local shape (1, 1, 2, 4) does not match ... (1, 1, 2, 3)").
     full = torch.randn(7, 2, 7, dtype=torch.float64)
-    _fuzz_regression(lambda t: (t * 1.0)[index] * 1.5, full,
-                     lambda: shard_tensor(full, domain_mesh, [Shard(2)], [3, 4], requires_grad=True))
+    _fuzz_regression(
+        lambda t: (t * 1.0)[index] * 1.5,
+        full,
+        lambda: shard_tensor(full, domain_mesh, [Shard(2)], [3, 4], requires_grad=True),
+    )
 
 
 @pytest.mark.multirank(2)
@@ -843,8 +949,11 @@ def test_fuzz_unbind_along_the_sharded_dim_gathers_it(domain_mesh, split):
     # Found by the fuzzer: PhysicsNeMo's unbind raised a bare RuntimeError ("No implementation for
     # unbinding along sharding axis yet"); the dim is now gathered first (Replicate pieces).
     full = torch.randn(4, 3, dtype=torch.float64)
-    _fuzz_regression(lambda t: (t * 1.0).unbind(1)[-1] * 1.5, full,
-                     lambda: shard_tensor(full, domain_mesh, [Shard(1)], split, requires_grad=True))
+    _fuzz_regression(
+        lambda t: (t * 1.0).unbind(1)[-1] * 1.5,
+        full,
+        lambda: shard_tensor(full, domain_mesh, [Shard(1)], split, requires_grad=True),
+    )
     xs = shard_tensor(full, domain_mesh, [Shard(1)], split)
     assert all(p.placements == (Replicate(),) for p in torch.unbind(xs, 1))
 
@@ -863,8 +972,11 @@ def test_fuzz_split_along_a_sharded_dim_on_a_2d_mesh(spatial_mesh, name):
     # rows ("expected local shape (4, 2, 3, 1) does not match ... (4, 1, 3, 1)"); the split dim is
     # now gathered first and the pieces keep the other dim's uneven split.
     full = torch.randn(4, 4, 6, 1, dtype=torch.float64)
-    _fuzz_regression(FUZZ_SPLITS_2D[name], full, lambda: shard_tensor(full, spatial_mesh, [Shard(1), Shard(2)], {0: [1, 3], 1: [1, 5]},
-                                                    requires_grad=True))
+    _fuzz_regression(
+        FUZZ_SPLITS_2D[name],
+        full,
+        lambda: shard_tensor(full, spatial_mesh, [Shard(1), Shard(2)], {0: [1, 3], 1: [1, 5]}, requires_grad=True),
+    )
 
 
 @pytest.mark.multirank(2)
@@ -896,20 +1008,29 @@ def test_fuzz_one_piece_of_a_split_along_the_sharded_dim_backpropagates(domain_m
     # with plain zeros and aten.cat refused the mix ("got mixed torch.Tensor and DTensor"); the split
     # dim is now gathered first (as the fallback's forward did) and the pieces are cut locally.
     full = torch.randn(3, 6, dtype=torch.float64)
-    _fuzz_regression(lambda t: (t * 1.0).chunk(2, dim=1)[1] * 1.5, full,
-                     lambda: shard_tensor(full, domain_mesh, [Shard(1)], [1, 5], requires_grad=True))
+    _fuzz_regression(
+        lambda t: (t * 1.0).chunk(2, dim=1)[1] * 1.5,
+        full,
+        lambda: shard_tensor(full, domain_mesh, [Shard(1)], [1, 5], requires_grad=True),
+    )
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (normalization family): the backward of group_norm of a "
-                                       "batch-sharded input with an empty shard raises a reshape error")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug (normalization family): the backward of group_norm of a "
+    "batch-sharded input with an empty shard raises a reshape error",
+)
 @pytest.mark.multirank(4)
 def test_fuzz_group_norm_after_a_flatten_with_an_empty_shard_backpropagates(spatial_mesh):
     # Found by the fuzzer on the 2x2 mesh: (1, 3, 6) replicated on mesh dim 0, dim 0 split 0/1 on mesh
     # dim 1; flatten(0, 1) moves the shard to the 3 rows (0/3); forward values are right, backward
     # raises "shape '[2, 0, 3, 2]' is invalid for input of size 12". flatten -> layer_norm passes.
     full = torch.randn(1, 3, 6, dtype=torch.float64)
-    _fuzz_regression(lambda t: F.group_norm(t.flatten(0, 1), 3), full,
-                     lambda: shard_tensor(full, spatial_mesh, [Replicate(), Shard(0)], {1: [0, 1]}, requires_grad=True))
+    _fuzz_regression(
+        lambda t: F.group_norm(t.flatten(0, 1), 3),
+        full,
+        lambda: shard_tensor(full, spatial_mesh, [Replicate(), Shard(0)], {1: [0, 1]}, requires_grad=True),
+    )
 
 
 @pytest.mark.multirank(2)
@@ -939,7 +1060,9 @@ def test_cat_cuts_an_input_replicated_on_a_mesh_dim_the_other_shards(spatial_mes
         return torch.cat([b * 2.0, a], dim=1)
 
     a, b = torch.randn(1, 2, 10, 6), torch.randn(1, 3, 10, 6)
-    specs = [ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 4], 1: [2, 4]}),
-             ShardSpec(spatial_mesh, [Shard(2), Replicate()], {0: [6, 4]})]
+    specs = [
+        ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 4], 1: [2, 4]}),
+        ShardSpec(spatial_mesh, [Shard(2), Replicate()], {0: [6, 4]}),
+    ]
     report = check_conformance(fn, [a, b], specs, expected_placements=[Shard(2), Shard(3)])
     assert report.comms.forward.total_calls == 0

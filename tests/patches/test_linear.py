@@ -34,8 +34,12 @@ def test_linear_matches_single_process_with_replicate_reduced_grads(domain_mesh,
 
 @pytest.mark.multirank(2)
 def test_plain_parameters_get_full_gradients(domain_mesh):
-    check_conformance(torch.nn.Linear(8, 2, bias=False), [torch.randn(1, 11, 8)],
-                      ShardSpec(domain_mesh, [Shard(1)], [6, 5]), params="plain")
+    check_conformance(
+        torch.nn.Linear(8, 2, bias=False),
+        [torch.randn(1, 11, 8)],
+        ShardSpec(domain_mesh, [Shard(1)], [6, 5]),
+        params="plain",
+    )
 
 
 @pytest.mark.multirank(4)
@@ -92,8 +96,9 @@ def test_refusals_name_the_configuration(domain_mesh, rank):
 def test_embedding_of_sharded_ids(domain_mesh, split, params):
     # Token ids sharded on the sequence: a local lookup; the table's gradient summed over the ranks.
     ids = torch.randint(0, 6, (2, 10), generator=torch.Generator().manual_seed(0))
-    report = check_conformance(torch.nn.Embedding(6, 4, padding_idx=0), [ids], ShardSpec(domain_mesh, [Shard(1)], split),
-                               params=params)
+    report = check_conformance(
+        torch.nn.Embedding(6, 4, padding_idx=0), [ids], ShardSpec(domain_mesh, [Shard(1)], split), params=params
+    )
     assert not report.comms.forward.counts  # no forward communication
 
 

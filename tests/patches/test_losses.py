@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.losses import class_loss, elementwise_loss, sharded_norm
-from physicsnemo_shardext.testing import ConformanceError, ShardSpec, check_conformance, shard_tensor
+from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 SPLITS = {"even": (16, [8, 8]), "uneven": (17, [9, 8]), "empty": (17, [17, 0])}
 REDUCTIONS = ("none", "sum", "mean")
@@ -31,21 +31,39 @@ def _pm_one(shape: tuple[int, ...]) -> torch.Tensor:
 # name -> (loss(x, *operands, reduction=...), operands(shape), reductions)
 ELEMENTWISE_CASES: dict[str, tuple[Callable, Callable, tuple[str, ...]]] = {
     "mse": (F.mse_loss, lambda s: [torch.randn(s)], REDUCTIONS),
-    "mse-weighted": (lambda x, t, w, **kw: F.mse_loss(x, t, weight=w, **kw), lambda s: [torch.randn(s), torch.rand(s)],
-                     REDUCTIONS),
+    "mse-weighted": (
+        lambda x, t, w, **kw: F.mse_loss(x, t, weight=w, **kw),
+        lambda s: [torch.randn(s), torch.rand(s)],
+        REDUCTIONS,
+    ),
     "l1": (F.l1_loss, lambda s: [torch.randn(s)], REDUCTIONS),
-    "l1-weighted": (lambda x, t, w, **kw: F.l1_loss(x, t, weight=w, **kw), lambda s: [torch.randn(s), torch.rand(s)],
-                    REDUCTIONS),
+    "l1-weighted": (
+        lambda x, t, w, **kw: F.l1_loss(x, t, weight=w, **kw),
+        lambda s: [torch.randn(s), torch.rand(s)],
+        REDUCTIONS,
+    ),
     "smooth-l1": (lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.5, **kw), lambda s: [torch.randn(s)], REDUCTIONS),
     "huber": (lambda x, t, **kw: F.huber_loss(x, t, delta=0.7, **kw), lambda s: [torch.randn(s)], REDUCTIONS),
-    "bce": (lambda x, t, **kw: F.binary_cross_entropy(torch.sigmoid(x), t, **kw), lambda s: [torch.rand(s)],
-            REDUCTIONS),
-    "bce-logits": (lambda x, t, w, **kw: F.binary_cross_entropy_with_logits(x, t, weight=w.detach(), **kw),
-                   lambda s: [torch.rand(s), torch.rand(s)], REDUCTIONS),
-    "kl-div": (lambda x, t, **kw: F.kl_div(F.log_softmax(x, dim=1), F.softmax(t, dim=1), **kw),
-               lambda s: [torch.randn(s)], (*REDUCTIONS, "batchmean")),
-    "gaussian-nll": (lambda x, t, v, **kw: F.gaussian_nll_loss(x, t, v, **kw),
-                     lambda s: [torch.randn(s), torch.rand(s) + 0.1], REDUCTIONS),
+    "bce": (
+        lambda x, t, **kw: F.binary_cross_entropy(torch.sigmoid(x), t, **kw),
+        lambda s: [torch.rand(s)],
+        REDUCTIONS,
+    ),
+    "bce-logits": (
+        lambda x, t, w, **kw: F.binary_cross_entropy_with_logits(x, t, weight=w.detach(), **kw),
+        lambda s: [torch.rand(s), torch.rand(s)],
+        REDUCTIONS,
+    ),
+    "kl-div": (
+        lambda x, t, **kw: F.kl_div(F.log_softmax(x, dim=1), F.softmax(t, dim=1), **kw),
+        lambda s: [torch.randn(s)],
+        (*REDUCTIONS, "batchmean"),
+    ),
+    "gaussian-nll": (
+        lambda x, t, v, **kw: F.gaussian_nll_loss(x, t, v, **kw),
+        lambda s: [torch.randn(s), torch.rand(s) + 0.1],
+        REDUCTIONS,
+    ),
     "poisson-nll": (F.poisson_nll_loss, lambda s: [torch.rand(s) * 3], REDUCTIONS),
     "soft-margin": (lambda x, t, **kw: F.soft_margin_loss(x, t.detach(), **kw), lambda s: [_pm_one(s)], REDUCTIONS),
     "hinge-embedding": (F.hinge_embedding_loss, lambda s: [_pm_one(s)], REDUCTIONS),
@@ -57,6 +75,7 @@ def _loss_fn(loss: Callable, reduction: str) -> Callable:
     def fn(*tensors: torch.Tensor) -> torch.Tensor:
         out = loss(*tensors, reduction=reduction)
         return out
+
     return fn
 
 
@@ -73,8 +92,15 @@ def _check_elementwise(name: str, mesh, placements, splits, shape, target_sharde
     other_spec = {True: spec, False: None, "replicate": ShardSpec(mesh, [Replicate()] * mesh.ndim)}[target_sharded]
     specs = [spec] + [other_spec for _ in others]
     for reduction in reductions:
-        check_conformance(_loss_fn(loss, reduction), [x, *others], specs, count_comms=False,
-                          expected_placements=_expected(reduction, placements), rtol=1e-4, atol=1e-5)
+        check_conformance(
+            _loss_fn(loss, reduction),
+            [x, *others],
+            specs,
+            count_comms=False,
+            expected_placements=_expected(reduction, placements),
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 @pytest.mark.multirank(2, timeout=120)
@@ -98,17 +124,22 @@ def test_elementwise_losses_with_replicate_shard_tensor_targets(domain_mesh, nam
 @pytest.mark.parametrize("name", ["mse", "mse-weighted", "huber", "bce-logits", "kl-div", "gaussian-nll"])
 def test_elementwise_losses_match_single_process_on_a_2x2_mesh(spatial_mesh, name):
     for target_sharded in (True, False):
-        _check_elementwise(name, spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [3, 0]}, (1, 3, 9, 3),
-                           target_sharded)
+        _check_elementwise(
+            name, spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [3, 0]}, (1, 3, 9, 3), target_sharded
+        )
 
 
 @pytest.mark.multirank(2)
 def test_gaussian_nll_with_variance_missing_the_last_dim(domain_mesh):
     x, t, var = torch.randn(1, 17, 3), torch.randn(1, 17, 3), torch.rand(1, 17) + 0.1
     for reduction in REDUCTIONS:
-        check_conformance(lambda a, b: F.gaussian_nll_loss(a, b, var, reduction=reduction), [x, t],
-                          ShardSpec(domain_mesh, [Shard(1)], [9, 8]), count_comms=False,
-                          expected_placements=_expected(reduction, [Shard(1)]))
+        check_conformance(
+            lambda a, b: F.gaussian_nll_loss(a, b, var, reduction=reduction),
+            [x, t],
+            ShardSpec(domain_mesh, [Shard(1)], [9, 8]),
+            count_comms=False,
+            expected_placements=_expected(reduction, [Shard(1)]),
+        )
 
 
 def _class_inputs(probabilities: bool, shape: tuple[int, ...]) -> list[torch.Tensor]:
@@ -124,8 +155,11 @@ CLASS_OPTIONS = {
     "plain": {},
     "weighted": {"weight": torch.tensor([0.2, 1.0, 0.5, 2.0, 0.7])},
     "ignore-index": {"ignore_index": 2},
-    "weighted-ignore-smoothing": {"weight": torch.tensor([0.2, 1.0, 0.5, 2.0, 0.7]), "ignore_index": 2,
-                                  "label_smoothing": 0.1},
+    "weighted-ignore-smoothing": {
+        "weight": torch.tensor([0.2, 1.0, 0.5, 2.0, 0.7]),
+        "ignore_index": 2,
+        "label_smoothing": 0.1,
+    },
 }
 
 
@@ -140,22 +174,39 @@ def test_class_losses_match_single_process(domain_mesh, loss, option):
         x, target = _class_inputs(False, (1, 5, rows, 3))
         for target_spec in (ShardSpec(domain_mesh, [Shard(1)], splits), None):
             for reduction in REDUCTIONS:
+
                 def fn(a, t, reduction=reduction):
                     a = F.log_softmax(a, dim=1) if loss is F.nll_loss else a
                     return loss(a, t, reduction=reduction, **options)
-                check_conformance(fn, [x, target], [ShardSpec(domain_mesh, [Shard(2)], splits), target_spec],
-                                  count_comms=False, expected_placements=None)
+
+                check_conformance(
+                    fn,
+                    [x, target],
+                    [ShardSpec(domain_mesh, [Shard(2)], splits), target_spec],
+                    count_comms=False,
+                    expected_placements=None,
+                )
 
 
 @pytest.mark.multirank(2)
 def test_cross_entropy_with_probability_targets_and_on_tokens(domain_mesh):
     for reduction in REDUCTIONS:
         x, probs = _class_inputs(True, (1, 5, 17, 3))
-        check_conformance(lambda a, p: F.cross_entropy(a, p, label_smoothing=0.05, reduction=reduction), [x, probs],
-                          ShardSpec(domain_mesh, [Shard(2)], [9, 8]), count_comms=False, expected_placements=None)
+        check_conformance(
+            lambda a, p: F.cross_entropy(a, p, label_smoothing=0.05, reduction=reduction),
+            [x, probs],
+            ShardSpec(domain_mesh, [Shard(2)], [9, 8]),
+            count_comms=False,
+            expected_placements=None,
+        )
         tokens, labels = torch.randn(13, 5), torch.randint(0, 5, (13,))
-        check_conformance(lambda a, t: F.cross_entropy(a, t, reduction=reduction), [tokens, labels],
-                          ShardSpec(domain_mesh, [Shard(0)], [13, 0]), count_comms=False, expected_placements=None)
+        check_conformance(
+            lambda a, t: F.cross_entropy(a, t, reduction=reduction),
+            [tokens, labels],
+            ShardSpec(domain_mesh, [Shard(0)], [13, 0]),
+            count_comms=False,
+            expected_placements=None,
+        )
 
 
 @pytest.mark.multirank(4, timeout=120)
@@ -164,31 +215,53 @@ def test_cross_entropy_on_a_2x2_mesh(spatial_mesh):
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [2, 1]})
     target_spec = ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [5, 4], 1: [2, 1]})
     for t_spec in (target_spec, None):
-        check_conformance(lambda a, t: F.cross_entropy(a, t, **CLASS_OPTIONS["weighted-ignore-smoothing"]),
-                          [x, target], [spec, t_spec], count_comms=False, expected_placements=None)
+        check_conformance(
+            lambda a, t: F.cross_entropy(a, t, **CLASS_OPTIONS["weighted-ignore-smoothing"]),
+            [x, target],
+            [spec, t_spec],
+            count_comms=False,
+            expected_placements=None,
+        )
 
 
 @pytest.mark.multirank(2)
 def test_loss_modules_match_single_process(domain_mesh):
     spec = ShardSpec(domain_mesh, [Shard(2)], [9, 8])
     x, t = torch.randn(1, 3, 17, 4), torch.randn(1, 3, 17, 4)
-    for module in (torch.nn.MSELoss(), torch.nn.L1Loss(reduction="sum"), torch.nn.SmoothL1Loss(), torch.nn.HuberLoss(),
-                   torch.nn.BCEWithLogitsLoss(pos_weight=torch.rand(4)), torch.nn.GaussianNLLLoss()):
+    for module in (
+        torch.nn.MSELoss(),
+        torch.nn.L1Loss(reduction="sum"),
+        torch.nn.SmoothL1Loss(),
+        torch.nn.HuberLoss(),
+        torch.nn.BCEWithLogitsLoss(pos_weight=torch.rand(4)),
+        torch.nn.GaussianNLLLoss(),
+    ):
         inputs = [x, t.sigmoid()] if isinstance(module, torch.nn.BCEWithLogitsLoss) else [x, t]
         if isinstance(module, torch.nn.GaussianNLLLoss):
-            check_conformance(lambda a, b: module(a, b, torch.ones_like(b)), inputs, spec, count_comms=False,
-                              expected_placements=None)
+            check_conformance(
+                lambda a, b: module(a, b, torch.ones_like(b)), inputs, spec, count_comms=False, expected_placements=None
+            )
             continue
         check_conformance(module, inputs, spec, count_comms=False, expected_placements=None, params="plain")
     target = torch.randint(0, 3, (1, 17, 4))
-    check_conformance(torch.nn.CrossEntropyLoss(), [x, target], [spec, ShardSpec(domain_mesh, [Shard(1)], [9, 8])],
-                      count_comms=False, expected_placements=None, params="plain")
+    check_conformance(
+        torch.nn.CrossEntropyLoss(),
+        [x, target],
+        [spec, ShardSpec(domain_mesh, [Shard(1)], [9, 8])],
+        count_comms=False,
+        expected_placements=None,
+        params="plain",
+    )
 
 
 @pytest.mark.multirank(2)
 def test_a_loss_costs_one_scalar_all_reduce(domain_mesh):
-    report = check_conformance(F.mse_loss, [torch.randn(1, 3, 17, 4), torch.randn(1, 3, 17, 4)],
-                               ShardSpec(domain_mesh, [Shard(2)], [9, 8]), expected_placements=[[Replicate()]])
+    report = check_conformance(
+        F.mse_loss,
+        [torch.randn(1, 3, 17, 4), torch.randn(1, 3, 17, 4)],
+        ShardSpec(domain_mesh, [Shard(2)], [9, 8]),
+        expected_placements=[[Replicate()]],
+    )
     assert report.comms.forward.total_calls == 1
     assert report.comms.forward.total_bytes == 4  # one float32 scalar
     assert report.comms.backward.total_calls == 0
@@ -248,26 +321,41 @@ REDUCTION_CASES: dict[str, Callable] = {
 @pytest.mark.parametrize("name", sorted(REDUCTION_CASES))
 def test_reductions_match_single_process(domain_mesh, name):
     for rows, splits in SPLITS.values():
-        check_conformance(REDUCTION_CASES[name], [torch.randn(1, 3, rows, 4)],
-                          ShardSpec(domain_mesh, [Shard(2)], splits), count_comms=False, expected_placements=None)
+        check_conformance(
+            REDUCTION_CASES[name],
+            [torch.randn(1, 3, rows, 4)],
+            ShardSpec(domain_mesh, [Shard(2)], splits),
+            count_comms=False,
+            expected_placements=None,
+        )
 
 
 @pytest.mark.multirank(4, timeout=120)
 @pytest.mark.parametrize("name", ["mean", "torch-mean-dim", "vector-norm", "torch-norm", "relative-l2", "std-dim"])
 def test_reductions_match_single_process_on_a_2x2_mesh(spatial_mesh, name):
-    check_conformance(REDUCTION_CASES[name], [torch.randn(1, 3, 9, 3)],
-                      ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [3, 0]}), count_comms=False,
-                      expected_placements=None)
+    check_conformance(
+        REDUCTION_CASES[name],
+        [torch.randn(1, 3, 9, 3)],
+        ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [5, 4], 1: [3, 0]}),
+        count_comms=False,
+        expected_placements=None,
+    )
 
 
 @pytest.mark.multirank(2)
 def test_cosine_similarity_over_a_sharded_and_an_unsharded_dim(domain_mesh):
     x, y = torch.randn(1, 3, 17, 4), torch.randn(1, 3, 17, 4)
     spec = ShardSpec(domain_mesh, [Shard(2)], [9, 8])
-    check_conformance(lambda a, b: F.cosine_similarity(a, b, dim=1).mean(), [x, y], spec, count_comms=False,
-                      expected_placements=None)
-    check_conformance(lambda a, b: (1 - F.cosine_similarity(a, b, dim=2)).sum(), [x, y], spec, count_comms=False,
-                      expected_placements=None)
+    check_conformance(
+        lambda a, b: F.cosine_similarity(a, b, dim=1).mean(), [x, y], spec, count_comms=False, expected_placements=None
+    )
+    check_conformance(
+        lambda a, b: (1 - F.cosine_similarity(a, b, dim=2)).sum(),
+        [x, y],
+        spec,
+        count_comms=False,
+        expected_placements=None,
+    )
 
 
 @pytest.mark.multirank(2)

@@ -15,7 +15,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.normalization import NORMALIZATION_TARGETS, _BatchNormTrain, _GroupNormTrain
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, partial_terms, shard_tensor
+from physicsnemo_shardext.testing import (
+    CommCounter,
+    ShardSpec,
+    check_conformance,
+    check_delegation,
+    measure_comms,
+    partial_terms,
+    shard_tensor,
+)
 from physicsnemo_shardext.torch_support import torch_in
 
 
@@ -116,13 +124,18 @@ def test_random_split_sizes(domain_mesh, rank):
     drawn: list[int] = []
 
     @settings(derandomize=True, database=None, deadline=None, max_examples=3)
-    @given(cut=st.integers(min_value=1, max_value=8), name=st.sampled_from(["batch_norm", "group_norm", "rms_norm_sharded"]))
+    @given(
+        cut=st.integers(min_value=1, max_value=8),
+        name=st.sampled_from(["batch_norm", "group_norm", "rms_norm_sharded"]),
+    )
     def run(cut, name):
         drawn.append(cut)
         torch.manual_seed(cut)
         x = torch.randn(2, 4, 9, 5)
         module = MODULES[name]() if name != "rms_norm_sharded" else torch.nn.RMSNorm([9, 5])
-        check_conformance(_randomize(module), [x], ShardSpec(domain_mesh, [Shard(2)], [cut, 9 - cut]), count_comms=False)
+        check_conformance(
+            _randomize(module), [x], ShardSpec(domain_mesh, [Shard(2)], [cut, 9 - cut]), count_comms=False
+        )
 
     run()
     assert drawn  # really ran; check_conformance verified inputs are identical across ranks
@@ -202,8 +215,9 @@ def test_layer_norm_over_local_dims_has_no_forward_communication(domain_mesh):
 
 PARTIAL_CASES = {
     "batch_norm-train": lambda t: F.batch_norm(t, None, None, training=True),
-    "batch_norm-eval": lambda t: F.batch_norm(t, torch.linspace(-1, 1, 3, dtype=t.dtype),
-                                              torch.linspace(0.5, 2, 3, dtype=t.dtype), training=False),
+    "batch_norm-eval": lambda t: F.batch_norm(
+        t, torch.linspace(-1, 1, 3, dtype=t.dtype), torch.linspace(0.5, 2, 3, dtype=t.dtype), training=False
+    ),
     "instance_norm": lambda t: F.instance_norm(t),
     "layer_norm": lambda t: F.layer_norm(t, (4, 4)),
     "rms_norm": lambda t: F.rms_norm(t, (4,)),

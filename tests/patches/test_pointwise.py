@@ -10,7 +10,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.patches.pointwise import INPLACE_DELEGATED, POINTWISE_ACTIVATIONS, local_pointwise, prelu_local
+from physicsnemo_shardext.patches.pointwise import (
+    INPLACE_DELEGATED,
+    POINTWISE_ACTIVATIONS,
+    local_pointwise,
+    prelu_local,
+)
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, measure_comms, shard_tensor
 
 ACTIVATIONS = {
@@ -52,7 +57,9 @@ def test_activation_matches_single_process(domain_mesh, name, split):
 
 @pytest.mark.multirank(2)
 def test_module_with_activations_conforms_with_parameters(domain_mesh):
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.GELU(), torch.nn.Conv2d(4, 2, 1), torch.nn.SiLU())
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.GELU(), torch.nn.Conv2d(4, 2, 1), torch.nn.SiLU()
+    )
     x = torch.randn(1, 3, 13, 6)
     check_conformance(model, [x], ShardSpec(domain_mesh, [Shard(2)], [9, 4]))
 
@@ -225,7 +232,9 @@ def test_binary_op_with_a_plain_trainable_operand_sums_its_gradient(domain_mesh,
     # a partial sum on each rank and must come back whole (summed over the shards).
     x, scale = torch.randn(1, 3, 11, 4), torch.randn(1, 3, 1, 4)
     check_conformance(
-        BINARY_WITH_REPLICATED[name], [x, scale], [ShardSpec(domain_mesh, [Shard(2)], [8, 3]), None],
+        BINARY_WITH_REPLICATED[name],
+        [x, scale],
+        [ShardSpec(domain_mesh, [Shard(2)], [8, 3]), None],
         params="plain",
     )
 
@@ -291,8 +300,15 @@ def test_elementwise_ops_with_replicated_parameters_give_whole_gradients(domain_
 def test_comparisons_and_conversions_keep_an_uneven_split(domain_mesh):
     full = torch.randn(2, 8, 3)
     x = shard_tensor(full, domain_mesh, [Shard(1)], [5, 3])
-    for op in (lambda t: t > 0, lambda t: torch.ge(t, 0.1), lambda t: t.ne(0.0), lambda t: t.type(torch.int64),
-               lambda t: t.double(), lambda t: (t > 0).float(), lambda t: t.long()):
+    for op in (
+        lambda t: t > 0,
+        lambda t: torch.ge(t, 0.1),
+        lambda t: t.ne(0.0),
+        lambda t: t.type(torch.int64),
+        lambda t: t.double(),
+        lambda t: (t > 0).float(),
+        lambda t: t.long(),
+    ):
         result = op(x)
         assert result.placements == (Shard(1),) and result.to_local().shape[1] == [5, 3][domain_mesh.get_local_rank()]
         torch.testing.assert_close(result.full_tensor(), op(full))

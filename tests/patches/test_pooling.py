@@ -11,7 +11,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.pooling import adaptive_pool_handler, pool_handler
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, partial_terms, shard_tensor
+from physicsnemo_shardext.testing import (
+    CommCounter,
+    ShardSpec,
+    check_conformance,
+    check_delegation,
+    measure_comms,
+    partial_terms,
+    shard_tensor,
+)
 from physicsnemo_shardext.torch_support import torch_in
 
 POOLS = {
@@ -26,9 +34,13 @@ POOLS = {
 
 def test_every_pool_is_installed_by_the_plugin():
     registry = physicsnemo_shardext.get_registry()
-    for target, handler in [(F.max_pool2d, pool_handler), (F.avg_pool3d, pool_handler),
-                            (F.max_pool1d_with_indices, pool_handler), (F.adaptive_max_pool3d, adaptive_pool_handler),
-                            (F.adaptive_avg_pool1d, adaptive_pool_handler)]:
+    for target, handler in [
+        (F.max_pool2d, pool_handler),
+        (F.avg_pool3d, pool_handler),
+        (F.max_pool1d_with_indices, pool_handler),
+        (F.adaptive_max_pool3d, adaptive_pool_handler),
+        (F.adaptive_avg_pool1d, adaptive_pool_handler),
+    ]:
         record = registry.provenance(target)
         assert record is not None and record.declaration.handler is handler
     assert registry.provenance(F.max_pool2d).overrides_builtin
@@ -50,7 +62,10 @@ def test_pool_matches_single_process(domain_mesh, name, split):
 def test_1d_and_3d_pools_and_unbatched_input(domain_mesh, dims):
     if dims == 1:
         x, spec_dim = torch.randn(3, 13, dtype=torch.float64), 1  # unbatched (C, L)
-        fns = [lambda t: F.max_pool1d(t, 3, 2, 1, ceil_mode=True), lambda t: F.avg_pool1d(t, 3, 2, 1, count_include_pad=False)]
+        fns = [
+            lambda t: F.max_pool1d(t, 3, 2, 1, ceil_mode=True),
+            lambda t: F.avg_pool1d(t, 3, 2, 1, count_include_pad=False),
+        ]
     else:
         x, spec_dim = torch.randn(1, 2, 9, 4, 5, dtype=torch.float64), 2
         fns = [lambda t: F.max_pool3d(t, 3, 2, 1), lambda t: F.avg_pool3d(t, (2, 3, 2), (3, 1, 2), ceil_mode=True)]
@@ -65,12 +80,19 @@ def test_max_pool_indices_are_global_and_modules_work(domain_mesh):
     values, indices = F.max_pool2d(xs, 3, 2, 1, return_indices=True)
     ref_values, ref_indices = F.max_pool2d(x, 3, 2, 1, return_indices=True)
     assert torch.equal(values.full_tensor(), ref_values) and torch.equal(indices.full_tensor(), ref_indices)
-    assert indices.to_local().shape[2] == [5, 4][xs._spec.mesh.get_coordinate()[0]]  # window centres 0,2,..,8 / 10,..,16
+    assert (
+        indices.to_local().shape[2] == [5, 4][xs._spec.mesh.get_coordinate()[0]]
+    )  # window centres 0,2,..,8 / 10,..,16
     # Round trip through max_unpool with global indices (a plain-tensor op on the full tensors).
-    torch.testing.assert_close(F.max_unpool2d(values.full_tensor(), indices.full_tensor(), 3, 2, 1, output_size=x.shape[2:]),
-                               F.max_unpool2d(ref_values, ref_indices, 3, 2, 1, output_size=x.shape[2:]))
-    check_conformance(torch.nn.MaxPool1d(3, 2, return_indices=True), [torch.randn(2, 3, 11)],
-                      ShardSpec(domain_mesh, [Shard(2)], [4, 7]))
+    torch.testing.assert_close(
+        F.max_unpool2d(values.full_tensor(), indices.full_tensor(), 3, 2, 1, output_size=x.shape[2:]),
+        F.max_unpool2d(ref_values, ref_indices, 3, 2, 1, output_size=x.shape[2:]),
+    )
+    check_conformance(
+        torch.nn.MaxPool1d(3, 2, return_indices=True),
+        [torch.randn(2, 3, 11)],
+        ShardSpec(domain_mesh, [Shard(2)], [4, 7]),
+    )
 
 
 @pytest.mark.multirank(4)
@@ -121,7 +143,9 @@ def test_global_adaptive_pool_all_reduces_channels_only(domain_mesh, dims):
     report = check_conformance(lambda t: avg(t, out), [x], spec, expected_placements=[Replicate()])
     per_output = 2 * 3 * 2 ** (dims - 1) * 8  # batch x channels x other output sizes, doubles
     assert report.comms.forward.total_bytes == per_output  # one all-reduce of the result
-    report = check_conformance(lambda t: mx(t, out, return_indices=True), [x], spec, expected_placements=[[Replicate()]] * 2)
+    report = check_conformance(
+        lambda t: mx(t, out, return_indices=True), [x], spec, expected_placements=[[Replicate()]] * 2
+    )
     assert report.comms.forward.total_bytes == 3 * per_output  # max, tie-break index, winner's value
 
 
@@ -131,8 +155,9 @@ def test_global_adaptive_max_ties_resolve_like_pytorch(domain_mesh):
     x = torch.zeros(1, 1, 6, 4, dtype=torch.float64)
     x[0, 0, 4, 0] = x[0, 0, 1, 3] = x[0, 0, 1, 1] = 5.0
     spec = ShardSpec(domain_mesh, [Shard(3)], [2, 2])  # width sharded: rank 1 holds (1,3), rank 0 (1,1)
-    report = check_conformance(lambda t: F.adaptive_max_pool2d(t, 1, return_indices=True), [x], spec,
-                               expected_placements=[[Replicate()]] * 2)
+    report = check_conformance(
+        lambda t: F.adaptive_max_pool2d(t, 1, return_indices=True), [x], spec, expected_placements=[[Replicate()]] * 2
+    )
     xs = shard_tensor(x, domain_mesh, [Shard(3)], [2, 2])
     assert F.adaptive_max_pool2d(xs, 1, return_indices=True)[1].full_tensor().item() == 5  # row 1, col 1
     assert report.max_abs_errors
@@ -144,8 +169,11 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh, rank):
     spec = ShardSpec(domain_mesh, [Shard(2)], [8, 8])  # even: the fallback's forward works here
     xs = shard_tensor(x, domain_mesh, [Shard(2)], [8, 8])
     shard_bytes = xs.to_local().nbytes
-    cases = [(lambda t: F.max_pool2d(t, 3, 1, 1), F.max_pool2d), (lambda t: F.adaptive_avg_pool2d(t, 3), F.adaptive_avg_pool2d),
-             (lambda t: F.adaptive_max_pool2d(t, 1), F.adaptive_max_pool2d)]
+    cases = [
+        (lambda t: F.max_pool2d(t, 3, 1, 1), F.max_pool2d),
+        (lambda t: F.adaptive_avg_pool2d(t, 3), F.adaptive_avg_pool2d),
+        (lambda t: F.adaptive_max_pool2d(t, 1), F.adaptive_max_pool2d),
+    ]
     for fn, target in cases:
         patched = measure_comms(fn, [x], spec)
         with physicsnemo_shardext.disabled(targets=[target]), torch.no_grad(), CommCounter() as counted:

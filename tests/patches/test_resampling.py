@@ -11,7 +11,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import physicsnemo_shardext
 from physicsnemo_shardext import MissingShardPatch
 from physicsnemo_shardext.patches.resampling import cubic_source_rows, interpolate_handler, source_rows
-from physicsnemo_shardext.testing import CommCounter, ShardSpec, check_conformance, check_delegation, measure_comms, shard_tensor
+from physicsnemo_shardext.testing import (
+    CommCounter,
+    ShardSpec,
+    check_conformance,
+    check_delegation,
+    measure_comms,
+    shard_tensor,
+)
 from physicsnemo_shardext.torch_support import torch_in
 
 
@@ -20,27 +27,47 @@ def test_source_rows_reproduce_pytorch_1d_kernels(dtype):
     # Gathering the full signal at our global source rows must give F.interpolate's result.
     x = torch.randn(2, 3, 13, dtype=dtype)
     for mode, align in [("nearest", None), ("nearest-exact", None), ("linear", False), ("linear", True)]:
-        for kwargs in [{"size": 13}, {"size": 29}, {"size": 5}, {"scale_factor": 1.7}, {"scale_factor": 0.45},
-                       {"scale_factor": 2.0}, {"scale_factor": 1.7, "recompute_scale_factor": True}, {"size": 1},
-                       {"scale_factor": 1.05}]:  # size unchanged, scale not 1: copies, except nearest-exact
+        for kwargs in [
+            {"size": 13},
+            {"size": 29},
+            {"size": 5},
+            {"scale_factor": 1.7},
+            {"scale_factor": 0.45},
+            {"scale_factor": 2.0},
+            {"scale_factor": 1.7, "recompute_scale_factor": True},
+            {"size": 1},
+            {"scale_factor": 1.05},
+        ]:  # size unchanged, scale not 1: copies, except nearest-exact
             expected = F.interpolate(x, mode=mode, align_corners=align, **kwargs)
             use_scale = "scale_factor" in kwargs and not kwargs.get("recompute_scale_factor")
-            i0, i1, w0, w1 = source_rows(mode, 13, expected.shape[-1], kwargs["scale_factor"] if use_scale else None,
-                                         bool(align), dtype)
+            i0, i1, w0, w1 = source_rows(
+                mode, 13, expected.shape[-1], kwargs["scale_factor"] if use_scale else None, bool(align), dtype
+            )
             got = x[..., i0] * w0 + x[..., i1] * w1
             torch.testing.assert_close(got, expected, msg=f"{mode} align={align} {kwargs}")
     # Nearest kernels differ by rank (2-D copies rows for an unchanged size; 1-D and 3-D apply the scale).
     for spatial_dims in (2, 3):
         probe = x.reshape(2, 3, 13, *[1] * (spatial_dims - 1))
         for mode in ("nearest", "nearest-exact"):
-            expected = F.interpolate(probe, scale_factor=[1.05] + [1.0] * (spatial_dims - 1), mode=mode).reshape(2, 3, 13)
+            expected = F.interpolate(probe, scale_factor=[1.05] + [1.0] * (spatial_dims - 1), mode=mode).reshape(
+                2, 3, 13
+            )
             i0, _, _, _ = source_rows(mode, 13, 13, 1.05, False, dtype, spatial_dims)
             torch.testing.assert_close(x[..., i0], expected)
     for align in (False, True):
-        for kwargs in [{"size": (13, 2)}, {"size": (29, 2)}, {"size": (5, 2)}, {"scale_factor": (1.7, 1.0)},
-                       {"scale_factor": (0.45, 1.0)}, {"scale_factor": (1.05, 1.0)}, {"size": (1, 2)}]:
+        for kwargs in [
+            {"size": (13, 2)},
+            {"size": (29, 2)},
+            {"size": (5, 2)},
+            {"scale_factor": (1.7, 1.0)},
+            {"scale_factor": (0.45, 1.0)},
+            {"scale_factor": (1.05, 1.0)},
+            {"size": (1, 2)},
+        ]:
             expected = F.interpolate(x.unsqueeze(-1).expand(2, 3, 13, 2), mode="bicubic", align_corners=align, **kwargs)
-            rows, weights = cubic_source_rows(13, expected.shape[2], kwargs.get("scale_factor", (None,))[0], align, dtype)
+            rows, weights = cubic_source_rows(
+                13, expected.shape[2], kwargs.get("scale_factor", (None,))[0], align, dtype
+            )
             got = sum(x[..., rows[:, k]] * weights[:, k] for k in range(4))
             torch.testing.assert_close(got, expected[..., 0], msg=f"bicubic align={align} {kwargs}")
 
@@ -82,15 +109,27 @@ def test_interpolate_matches_single_process(domain_mesh, name, split):
 
 @pytest.mark.multirank(2)
 def test_interpolate_1d_3d_and_upsample_module(domain_mesh):
-    check_conformance(lambda t: F.interpolate(t, scale_factor=2.5, mode="linear", align_corners=True),
-                      [torch.randn(2, 3, 11)], ShardSpec(domain_mesh, [Shard(2)], [3, 8]))
-    check_conformance(torch.nn.Upsample(size=(9, 5, 4), mode="trilinear"), [torch.randn(1, 2, 7, 3, 5)],
-                      ShardSpec(domain_mesh, [Shard(3)], [1, 2]))
-    check_conformance(torch.nn.Upsample(scale_factor=3, mode="nearest"), [torch.randn(1, 2, 5, 4)],
-                      ShardSpec(domain_mesh, [Shard(3)], [3, 1]))
+    check_conformance(
+        lambda t: F.interpolate(t, scale_factor=2.5, mode="linear", align_corners=True),
+        [torch.randn(2, 3, 11)],
+        ShardSpec(domain_mesh, [Shard(2)], [3, 8]),
+    )
+    check_conformance(
+        torch.nn.Upsample(size=(9, 5, 4), mode="trilinear"),
+        [torch.randn(1, 2, 7, 3, 5)],
+        ShardSpec(domain_mesh, [Shard(3)], [1, 2]),
+    )
+    check_conformance(
+        torch.nn.Upsample(scale_factor=3, mode="nearest"),
+        [torch.randn(1, 2, 5, 4)],
+        ShardSpec(domain_mesh, [Shard(3)], [3, 1]),
+    )
     # 3-D nearest-exact with an unchanged size but scale 1.05: the kernel shifts rows (forward and backward).
-    check_conformance(lambda t: F.interpolate(t, scale_factor=1.05, mode="nearest-exact"), [torch.randn(1, 2, 13, 3, 2)],
-                      ShardSpec(domain_mesh, [Shard(2)], [6, 7]))
+    check_conformance(
+        lambda t: F.interpolate(t, scale_factor=1.05, mode="nearest-exact"),
+        [torch.randn(1, 2, 13, 3, 2)],
+        ShardSpec(domain_mesh, [Shard(2)], [6, 7]),
+    )
 
 
 @pytest.mark.multirank(2)
@@ -122,8 +161,11 @@ def test_resampling_on_2d_spatial_mesh(spatial_mesh):
     check_conformance(lambda t: F.interpolate(t, scale_factor=(0.5, 1.6), mode="nearest-exact"), [x], spec)
     check_conformance(lambda t: F.pixel_shuffle(t, 2), [x], spec)
     check_conformance(lambda t: F.pixel_unshuffle(t, (1)), [x], spec)
-    check_conformance(torch.nn.PixelUnshuffle(2), [torch.randn(1, 1, 10, 12, dtype=torch.float64)],
-                      ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [3, 7], 1: [5, 7]}))
+    check_conformance(
+        torch.nn.PixelUnshuffle(2),
+        [torch.randn(1, 1, 10, 12, dtype=torch.float64)],
+        ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [3, 7], 1: [5, 7]}),
+    )
 
 
 @pytest.mark.multirank(2)
@@ -154,8 +196,10 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
     x = torch.randn(2, 4, 16, 8)
     xs = shard_tensor(x, domain_mesh, [Shard(2)], [8, 8])  # even: the fallback's forward works here
     spec = ShardSpec(domain_mesh, [Shard(2)], [8, 8])
-    for fn, target in [(lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear", align_corners=True), F.interpolate),
-                       (lambda t: F.interpolate(t, size=(20, 8), mode="nearest"), F.interpolate)]:
+    for fn, target in [
+        (lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear", align_corners=True), F.interpolate),
+        (lambda t: F.interpolate(t, size=(20, 8), mode="nearest"), F.interpolate),
+    ]:
         patched = measure_comms(fn, [x], spec)
         with physicsnemo_shardext.disabled(targets=[target]), torch.no_grad(), CommCounter() as counted:
             fallback = fn(xs)

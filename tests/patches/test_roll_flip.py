@@ -116,8 +116,9 @@ def test_random_splits_and_shifts_roll(domain_mesh, rank):
     @given(split=_splits(11, 4), shift=st.integers(-25, 25))
     def check(split: list[int], shift: int) -> None:
         seen.append((split, shift))
-        report = check_conformance(lambda t: torch.roll(t, shift, 1), [torch.randn(3, 11, 2)],
-                                   ShardSpec(domain_mesh, [Shard(1)], split))
+        report = check_conformance(
+            lambda t: torch.roll(t, shift, 1), [torch.randn(3, 11, 2)], ShardSpec(domain_mesh, [Shard(1)], split)
+        )
         moved = moved_rows(split, rank, lambda i: (i - shift) % 11)
         assert report.comms.forward.total_bytes == moved * 3 * 2 * 4
 
@@ -166,8 +167,9 @@ def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
 def test_roll_without_dims_of_a_sharded_tensor_is_delegated(domain_mesh, split):
     # A roll of the flattened tensor: the DTensor fallback gathers it (forward and grads right).
     x = torch.randn(5, 6)
-    check_conformance(lambda t: torch.roll(t, 3), [x], ShardSpec(domain_mesh, [Shard(0)], split),
-                      expected_placements=[Replicate()])
+    check_conformance(
+        lambda t: torch.roll(t, 3), [x], ShardSpec(domain_mesh, [Shard(0)], split), expected_placements=[Replicate()]
+    )
     out = torch.roll(shard_tensor(x, domain_mesh, [Shard(0)], split), 3)
     with physicsnemo_shardext.disabled(plugins=["roll_flip"]):
         baseline = torch.roll(shard_tensor(x, domain_mesh, [Shard(0)], split), 3)

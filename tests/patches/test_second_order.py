@@ -71,7 +71,8 @@ def _cases(m: dict[str, torch.nn.Module]) -> dict[str, tuple[Callable[[Any], Any
         "layout": (lambda t: (t * t).permute(0, 2, 3, 1).reshape(1, 8, 24).transpose(1, 2) ** 2, []),
         "reshape": (lambda t: (t * t).reshape(1, 4, 8, 3, 2).flatten(2) ** 2, []),
         "mean_var_norm": (
-            lambda t: t * t.mean(dim=(2, 3), keepdim=True) + t.var() * torch.linalg.vector_norm(t * t), []
+            lambda t: t * t.mean(dim=(2, 3), keepdim=True) + t.var() * torch.linalg.vector_norm(t * t),
+            [],
         ),
         "sum_over_sharded": (lambda t: torch.sin(t) + (t * t).sum(dim=2, keepdim=True) ** 2, []),
     }
@@ -155,7 +156,9 @@ def test_second_order_matches_single_process_or_refuses(domain_mesh, split):
 
 @pytest.mark.multirank(2)
 def test_ring_attention_refuses_second_order_by_name(domain_mesh):
-    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    q, k, v = (
+        torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in range(3)
+    )
     qs, ks, vs = (shard_tensor(t, domain_mesh, [Shard(2)], [5, 4], requires_grad=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qs, ks, vs)
     (g,) = torch.autograd.grad(torch.sin(out).sum(), qs)  # first order works

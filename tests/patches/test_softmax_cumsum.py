@@ -133,10 +133,14 @@ def test_random_splits_softmax_and_cumsum(domain_mesh):
     @given(split=_splits(13, 4), op=st.sampled_from(["softmax", "log_softmax", "cumsum"]))
     def check(split: list[int], op: str) -> None:
         seen.append(split)
-        fn = {"softmax": lambda t: t.softmax(1), "log_softmax": lambda t: F.log_softmax(t, 1),
-              "cumsum": lambda t: t.cumsum(1)}[op]
-        check_conformance(fn, [torch.randn(3, 13, 2)], ShardSpec(domain_mesh, [Shard(1)], split),
-                          atol=1e-4, count_comms=False)
+        fn = {
+            "softmax": lambda t: t.softmax(1),
+            "log_softmax": lambda t: F.log_softmax(t, 1),
+            "cumsum": lambda t: t.cumsum(1),
+        }[op]
+        check_conformance(
+            fn, [torch.randn(3, 13, 2)], ShardSpec(domain_mesh, [Shard(1)], split), atol=1e-4, count_comms=False
+        )
 
     check()
     assert len(seen) >= 4  # hypothesis really drew examples on this rank
@@ -153,8 +157,7 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh):
     for label, fn in [("softmax", lambda t: F.softmax(t, 2)), ("cumsum", lambda t: torch.cumsum(t, 2))]:
         with torch.no_grad(), CommCounter() as patched:
             fn(x)
-        with physicsnemo_shardext.disabled(plugins=["softmax_cumsum"]), torch.no_grad(), \
-                CommCounter() as fallback:
+        with physicsnemo_shardext.disabled(plugins=["softmax_cumsum"]), torch.no_grad(), CommCounter() as fallback:
             fn(x)
         assert fallback.stats.total_bytes == full.numel() * 4 // 2  # the fallback all-gathers the activation
         measured[label] = (patched.stats.total_bytes, fallback.stats.total_bytes)
@@ -173,8 +176,10 @@ def test_refused_configurations(domain_mesh, rank):
     ints = shard_tensor(torch.arange(6).reshape(3, 2), domain_mesh, [Shard(0)], [2, 1])
     with pytest.raises(MissingShardPatch, match="softmax of a torch.int64 tensor"):
         torch.softmax(ints, 0)
-    torch.testing.assert_close(torch.softmax(ints, 0, dtype=torch.float64).full_tensor(),
-                               torch.softmax(torch.arange(6).reshape(3, 2), 0, dtype=torch.float64))
+    torch.testing.assert_close(
+        torch.softmax(ints, 0, dtype=torch.float64).full_tensor(),
+        torch.softmax(torch.arange(6).reshape(3, 2), 0, dtype=torch.float64),
+    )
 
 
 PARTIAL_CASES = {

@@ -60,15 +60,17 @@ def test_without_the_plugin_the_fallback_is_wrong(domain_mesh, name):
 
 
 @pytest.mark.multirank(4)
-@pytest.mark.parametrize(("dim", "split"), [(2, {0: [5, 2], 1: [3, 2]}), (3, {0: [4, 3], 1: [1, 4]})],
-                         ids=["gather-H", "gather-W"])
+@pytest.mark.parametrize(
+    ("dim", "split"), [(2, {0: [5, 2], 1: [3, 2]}), (3, {0: [4, 3], 1: [1, 4]})], ids=["gather-H", "gather-W"]
+)
 def test_on_a_2d_mesh(spatial_mesh, dim, split):
     # The gathered dim is split unevenly and not chunk-sized; the other keeps torch.chunk sizes because
     # PhysicsNeMo labels a fallback output whose placements changed with chunk sizes (it raises a
     # ValueError, loudly, when the untouched dim is split otherwise).
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], split)
-    check_conformance(lambda x: torch.sort(x, dim=dim).values, [torch.randn(1, 2, 7, 5)], spec,
-                      expected_placements=None)
+    check_conformance(
+        lambda x: torch.sort(x, dim=dim).values, [torch.randn(1, 2, 7, 5)], spec, expected_placements=None
+    )
 
 
 @pytest.mark.multirank(2)
@@ -114,7 +116,8 @@ def test_chunk_sizes_are_torch_chunks():
     for total in (0, 1, 7, 10, 258):
         for parts in (1, 2, 3, 4):
             assert _chunk_sizes(total, parts) == [len(c) for c in torch.arange(total).chunk(parts)] + [0] * (
-                parts - len(torch.arange(total).chunk(parts))), (total, parts)
+                parts - len(torch.arange(total).chunk(parts))
+            ), (total, parts)
 
 
 def _sort_moved_to_another_dim(mesh, split: list[int]) -> None:
@@ -122,8 +125,9 @@ def _sort_moved_to_another_dim(mesh, split: list[int]) -> None:
     # instead of gathering H. With uneven sizes that move was refused; the guard now gathers H
     # with the true sizes and lets DTensor split C locally: values and gradients as one process.
     x = torch.randn(1, 16, 256, 256)
-    check_conformance(lambda t: torch.sort(t, dim=2).values, [x], ShardSpec(mesh, [Shard(2)], split),
-                      expected_placements=None)
+    check_conformance(
+        lambda t: torch.sort(t, dim=2).values, [x], ShardSpec(mesh, [Shard(2)], split), expected_placements=None
+    )
 
 
 @pytest.mark.multirank(2)

@@ -13,12 +13,12 @@ from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_ten
 
 
 def test_boundaries_move_to_the_nearest_multiple_ties_down():
-    assert aligned_split_sizes((5, 3), 2) == (4, 4)          # 5 -> 4 (tie: 4 or 6)
-    assert aligned_split_sizes((7, 1), 4) == (8, 0)          # 7 -> 8 (nearest), rank 1 left empty
+    assert aligned_split_sizes((5, 3), 2) == (4, 4)  # 5 -> 4 (tie: 4 or 6)
+    assert aligned_split_sizes((7, 1), 4) == (8, 0)  # 7 -> 8 (nearest), rank 1 left empty
     assert aligned_split_sizes((25, 23), 6) == (24, 24)
-    assert aligned_split_sizes((28, 20), 6) == (30, 18)      # 28 -> 30 (2 rows) rather than 24 (4 rows)
-    assert aligned_split_sizes((3, 0, 5), 4) == (4, 0, 4)    # both boundaries (3, 3) go to 4
-    assert aligned_split_sizes((0, 6, 6), 3) == (0, 6, 6)    # aligned already: unchanged
+    assert aligned_split_sizes((28, 20), 6) == (30, 18)  # 28 -> 30 (2 rows) rather than 24 (4 rows)
+    assert aligned_split_sizes((3, 0, 5), 4) == (4, 0, 4)  # both boundaries (3, 3) go to 4
+    assert aligned_split_sizes((0, 6, 6), 3) == (0, 6, 6)  # aligned already: unchanged
     assert aligned_split_sizes((4, 4), 1) == (4, 4)
     with pytest.raises(ValueError, match="cannot be split into multiples of 4"):
         aligned_split_sizes((5, 2), 4)
@@ -46,8 +46,9 @@ def _aligned(dim: int, multiple: int):
 def test_align_moves_only_the_straddling_rows(domain_mesh, rank, sizes, multiple, dtype):
     full = torch.randn(2, 8, 3, dtype=dtype)
     target = aligned_split_sizes(sizes, multiple)
-    report = check_conformance(_aligned(1, multiple), [full], ShardSpec(domain_mesh, [Shard(1)], sizes),
-                               expected_placements=[Shard(1)])
+    report = check_conformance(
+        _aligned(1, multiple), [full], ShardSpec(domain_mesh, [Shard(1)], sizes), expected_placements=[Shard(1)]
+    )
     row_bytes = full.numel() // full.shape[1] * full.element_size()
     forward, backward = report.comms.forward, report.comms.backward
     assert sum(forward.bytes.values()) == _sent_rows(sizes, target, rank) * row_bytes
@@ -67,14 +68,18 @@ def test_resplit_rows_on_four_ranks_with_empty_shards(domain_mesh, rank):
     new = [0, 6, 0, 6]
     local = resplit_rows(xs.to_local(), dim_layout(xs, 0), new)
     start = sum(new[:rank])
-    torch.testing.assert_close(local, full[start:start + new[rank]])
+    torch.testing.assert_close(local, full[start : start + new[rank]])
 
 
 @pytest.mark.multirank(4)
 def test_align_one_mesh_dim_of_a_2d_mesh_keeps_the_other(spatial_mesh):
     full = torch.randn(1, 8, 6, 2)
-    check_conformance(_aligned(1, 4), [full], ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [5, 3], 1: [1, 5]}),
-                      expected_placements=[Shard(1), Shard(2)])
+    check_conformance(
+        _aligned(1, 4),
+        [full],
+        ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [5, 3], 1: [1, 5]}),
+        expected_placements=[Shard(1), Shard(2)],
+    )
 
 
 @pytest.mark.multirank(2)

@@ -13,8 +13,7 @@ def _softmax(input, dim=None, dtype=None):  # mirror of torch.softmax's paramete
     ...
 
 
-def _pad(input, pad, mode="constant", value=None):
-    ...
+def _pad(input, pad, mode="constant", value=None): ...
 
 
 def test_bind_fills_defaults_and_maps_positionals_and_keywords():
@@ -22,7 +21,10 @@ def test_bind_fills_defaults_and_maps_positionals_and_keywords():
     assert bound["input"] == "x" and bound["size"] is None and bound["scale_factor"] == 2
     assert bound["mode"] == "nearest" and bound["align_corners"] is None
     assert bind_arguments(_pad, ("x", (1, 1), "reflect"), {}) == {
-        "input": "x", "pad": (1, 1), "mode": "reflect", "value": None
+        "input": "x",
+        "pad": (1, 1),
+        "mode": "reflect",
+        "value": None,
     }
 
 
@@ -94,16 +96,19 @@ def _variadic(input, *rest, scale=1.0, **options):
 
 
 @pytest.mark.parametrize("reference", [_conv, _variadic])
-@pytest.mark.parametrize("args,kwargs", [
-    (("x", "w"), {}),
-    (("x", "w", "b", 2), {"padding": 1}),
-    (("x",), {"weight": "w", "groups": 2}),
-    (("x", "w", "b", 1, 0), {"groups": 3}),
-    (("x", "w", "b", 1, 0, "extra"), {}),          # too many positional for _conv
-    (("x",), {}),                                   # a required argument missing for _conv
-    (("x", "w"), {"weight": "again"}),              # given twice
-    (("x", "w"), {"unknown": 1}),
-])
+@pytest.mark.parametrize(
+    "args,kwargs",
+    [
+        (("x", "w"), {}),
+        (("x", "w", "b", 2), {"padding": 1}),
+        (("x",), {"weight": "w", "groups": 2}),
+        (("x", "w", "b", 1, 0), {"groups": 3}),
+        (("x", "w", "b", 1, 0, "extra"), {}),  # too many positional for _conv
+        (("x",), {}),  # a required argument missing for _conv
+        (("x", "w"), {"weight": "again"}),  # given twice
+        (("x", "w"), {"unknown": 1}),
+    ],
+)
 def test_binding_equals_inspect_signature_bind(reference, args, kwargs):
     import inspect
 

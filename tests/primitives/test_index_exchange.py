@@ -14,8 +14,8 @@ from physicsnemo_shardext.primitives import (
     halo_indices,
     plan_exchange,
 )
-from physicsnemo_shardext.testing import shard_tensor
 from physicsnemo_shardext.ranks.comm_accounting import CommCounter
+from physicsnemo_shardext.testing import shard_tensor
 
 
 def test_plan_keeps_own_rows_local_and_sends_only_what_others_want():
@@ -103,7 +103,9 @@ def test_exchange_inside_one_rank_uses_no_collective(domain_mesh):
     x = shard_tensor(torch.randn(6, 4), domain_mesh, [Shard(0)], [3, 3])
     layout = dim_layout(x, 0)
     with CommCounter() as counter:
-        local = gather_global_indices(x.to_local(), layout, lambda c: list(range(layout.offsets[c], layout.offsets[c] + 3))[::-1])
+        local = gather_global_indices(
+            x.to_local(), layout, lambda c: list(range(layout.offsets[c], layout.offsets[c] + 3))[::-1]
+        )
     assert counter.stats.total_calls == 0
     torch.testing.assert_close(local, x.to_local().flip(0))
 

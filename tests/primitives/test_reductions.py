@@ -171,7 +171,9 @@ def test_extremum_on_two_ranks(domain_mesh, rank, name, dtype):
     expected = pairwise(_value(0), _value(1)).to(dtype).t()
     torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"{name} on rank {rank}")
     assert out.dtype == dtype and out.is_contiguous() and not out.requires_grad
-    torch.testing.assert_close(value.detach(), _value(rank).to(dtype), rtol=0, atol=0, msg="the input was written in place")
+    torch.testing.assert_close(
+        value.detach(), _value(rank).to(dtype), rtol=0, atol=0, msg="the input was written in place"
+    )
     assert counter.stats.counts == {"c10d.allreduce_": 1}
 
 

@@ -7,8 +7,13 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.primitives import from_local_like
-from physicsnemo_shardext.primitives import gather_full, replicated_local, replicated_part, sum_grad_over
+from physicsnemo_shardext.primitives import (
+    from_local_like,
+    gather_full,
+    replicated_local,
+    replicated_part,
+    sum_grad_over,
+)
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
 

@@ -42,7 +42,9 @@ def test_transpose_matches_and_moves_only_foreign_pieces(domain_mesh, rank, src_
     full = torch.randn(2, 6, 6, dtype=dtype)
     dst = list(dst_sizes) if dst_sizes else list(balanced_split_sizes(6, 2))
     report = check_conformance(
-        _moved(1, 2, dst_sizes), [full], ShardSpec(domain_mesh, [Shard(1)], src_sizes),
+        _moved(1, 2, dst_sizes),
+        [full],
+        ShardSpec(domain_mesh, [Shard(1)], src_sizes),
         expected_placements=[Shard(2)],
     )
     forward, backward = report.comms.forward, report.comms.backward
@@ -60,7 +62,9 @@ def test_transpose_matches_and_moves_only_foreign_pieces(domain_mesh, rank, src_
 def test_transpose_on_four_ranks_with_empty_shards(domain_mesh):
     full = torch.randn(3, 7, 5)
     check_conformance(
-        _moved(1, 0, [0, 2, 0, 1]), [full], ShardSpec(domain_mesh, [Shard(1)], [4, 0, 2, 1]),
+        _moved(1, 0, [0, 2, 0, 1]),
+        [full],
+        ShardSpec(domain_mesh, [Shard(1)], [4, 0, 2, 1]),
         expected_placements=[Shard(0)],
     )
 
@@ -69,7 +73,8 @@ def test_transpose_on_four_ranks_with_empty_shards(domain_mesh):
 def test_transpose_one_mesh_dim_of_a_2d_mesh_keeps_the_other(spatial_mesh):
     full = torch.randn(2, 5, 6, 4)
     check_conformance(
-        _moved(2, 3, [3, 1]), [full],
+        _moved(2, 3, [3, 1]),
+        [full],
         ShardSpec(spatial_mesh, [Shard(1), Shard(2)], {0: [4, 1], 1: [1, 5]}),
         expected_placements=[Shard(1), Shard(3)],
     )

@@ -7,8 +7,7 @@ import torch
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from physicsnemo_shardext.primitives import local_of, wrap_local
-from physicsnemo_shardext.primitives import wrapping
+from physicsnemo_shardext.primitives import local_of, wrap_local, wrapping
 from physicsnemo_shardext.testing import shard_tensor
 
 LAYOUTS = {
@@ -40,13 +39,13 @@ def test_local_of_gives_to_local_values_and_gradients(spatial_mesh, layout):
 @pytest.mark.multirank(2)
 def test_local_of_hands_back_the_local_block_where_no_gradient_flows(domain_mesh):
     x = shard_tensor(torch.randn(7, 2), domain_mesh, [Shard(0)], [4, 3])
-    assert local_of(x) is x._local_tensor            # does not require grad
+    assert local_of(x) is x._local_tensor  # does not require grad
     y = shard_tensor(torch.randn(7, 2), domain_mesh, [Shard(0)], [4, 3], requires_grad=True)
     with torch.no_grad():
         assert local_of(y) is y._local_tensor
     assert local_of(y) is not y._local_tensor and local_of(y).requires_grad
     replicated = DTensor.from_local(torch.ones(3, requires_grad=True), domain_mesh, [Replicate()])
-    assert torch.equal(local_of(replicated), replicated.to_local())   # not a ShardTensor: its own to_local
+    assert torch.equal(local_of(replicated), replicated.to_local())  # not a ShardTensor: its own to_local
 
 
 @pytest.mark.multirank(4)
@@ -64,7 +63,9 @@ def test_wrap_local_builds_what_from_local_builds(spatial_mesh, layout):
         return y, local.grad
 
     fast, fast_grad = built(lambda t: wrap_local(t, spatial_mesh, x._spec.placements, shapes))
-    slow, slow_grad = built(lambda t: ShardTensor.from_local(t, spatial_mesh, x._spec.placements, sharding_shapes=shapes))
+    slow, slow_grad = built(
+        lambda t: ShardTensor.from_local(t, spatial_mesh, x._spec.placements, sharding_shapes=shapes)
+    )
     assert fast._spec == slow._spec and fast.shape == slow.shape and fast.requires_grad and slow.requires_grad
     assert torch.equal(fast.full_tensor(), slow.full_tensor())
     torch.testing.assert_close(fast_grad, slow_grad, rtol=0, atol=0)

@@ -10,9 +10,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
 
-from physicsnemo_shardext.testing import GatherRecorder, assert_no_activation_gather, shard_tensor, smallest_activation_numel
 from physicsnemo_shardext.ranks import activation_gathers
 from physicsnemo_shardext.ranks.activation_gathers import ActivationGatherError, halo_bound
+from physicsnemo_shardext.testing import (
+    GatherRecorder,
+    assert_no_activation_gather,
+    shard_tensor,
+    smallest_activation_numel,
+)
 
 
 def test_docstring_examples_run():
@@ -22,9 +27,9 @@ def test_docstring_examples_run():
 
 def test_smallest_activation_counts_inner_feature_maps_only():
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 3, 3, stride=2, padding=1),   # (1, 3, 8, 6): 144
-        torch.nn.AvgPool2d(2),                            # (1, 3, 4, 3): 36
-        torch.nn.Upsample(scale_factor=4),                # (1, 3, 16, 12): 576
+        torch.nn.Conv2d(1, 3, 3, stride=2, padding=1),  # (1, 3, 8, 6): 144
+        torch.nn.AvgPool2d(2),  # (1, 3, 4, 3): 36
+        torch.nn.Upsample(scale_factor=4),  # (1, 3, 16, 12): 576
     )
     x = torch.randn(1, 1, 16, 12)
     assert smallest_activation_numel(net, [x]) == 36
@@ -59,7 +64,9 @@ def test_records_every_all_gather_flavour(rank):
     metadata = [r for r in gathers.records if not r.is_data]
     assert len(metadata) == 2 and {r.dtype for r in metadata} == {torch.uint8, torch.int64}
     assert gathers.activation_gathers(min_numel=1) == [
-        by_op["c10d._allgather_base_"][0], by_op["c10d.allgather_"][0], by_op["_c10d_functional.all_gather_into_tensor"][0]
+        by_op["c10d._allgather_base_"][0],
+        by_op["c10d.allgather_"][0],
+        by_op["_c10d_functional.all_gather_into_tensor"][0],
     ]
     assert [r.gathered_numel for r in gathers.activation_gathers(min_numel=10)] == [10, 16]
 

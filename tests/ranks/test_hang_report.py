@@ -66,7 +66,9 @@ def test_asynchronous_calls_stay_listed_until_their_work_completes():
     hr.forget_asynchronous()
     assert tracked(torch.zeros(2, dtype=torch.int64), src=1) is work
     (pending,) = hr.pending_collectives()
-    assert pending.describe().startswith("irecv(int64[2], src=1)") and "asynchronous, not completed" in pending.describe()
+    assert (
+        pending.describe().startswith("irecv(int64[2], src=1)") and "asynchronous, not completed" in pending.describe()
+    )
     work.done = True
     assert hr.pending_collectives() == []
     hr.forget_asynchronous()
@@ -99,7 +101,7 @@ def test_faulthandler_dumps_are_shown_innermost_last(tmp_path):
     assert "faulthandler.dump_traceback(file=handle, all_threads=False)" in text  # source lines added
 
 
-HANGING = '''
+HANGING = """
 import ctypes
 import pytest, torch
 import torch.distributed as dist
@@ -108,7 +110,7 @@ import torch.distributed as dist
 def test_rank_one_waits_in_all_reduce(rank):
     if rank == 1:
         dist.all_reduce(torch.ones(5, 2, dtype=torch.float64))  # rank 0 never joins
-'''
+"""
 
 
 def test_a_rank_hung_in_all_reduce_reports_the_collective_and_its_stacks(pytester: pytest.Pytester) -> None:
@@ -118,16 +120,18 @@ def test_a_rank_hung_in_all_reduce_reports_the_collective_and_its_stacks(pyteste
     elapsed = time.monotonic() - start
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    result.stdout.fnmatch_lines([
-        "multirank(2) test rank(s) [[]1[]] hung (no result within 3 s)*",
-        "rank 0: passed*",
-        "rank 1: HUNG, Python stacks at the timeout:",
-        "*pending collective: all_reduce(float64[[]5, 2[]]) over a process group of 2 ranks, issued at "
-        "*test_inner_hang.py:8 in test_rank_one_waits_in_all_reduce (thread MainThread, waiting *",
-        "*dist.all_reduce(torch.ones(5, 2, dtype=torch.float64))*",
-        "*Python stacks of every thread (most recent call last):",
-        "*Thread MainThread:",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "multirank(2) test rank(s) [[]1[]] hung (no result within 3 s)*",
+            "rank 0: passed*",
+            "rank 1: HUNG, Python stacks at the timeout:",
+            "*pending collective: all_reduce(float64[[]5, 2[]]) over a process group of 2 ranks, issued at "
+            "*test_inner_hang.py:8 in test_rank_one_waits_in_all_reduce (thread MainThread, waiting *",
+            "*dist.all_reduce(torch.ones(5, 2, dtype=torch.float64))*",
+            "*Python stacks of every thread (most recent call last):",
+            "*Thread MainThread:",
+        ]
+    )
     rank1 = out.split("rank 1: HUNG")[1]
     main_thread = rank1.split("Thread MainThread:")[1]
     body = main_thread.index("in test_rank_one_waits_in_all_reduce")
@@ -136,7 +140,7 @@ def test_a_rank_hung_in_all_reduce_reports_the_collective_and_its_stacks(pyteste
     assert elapsed < 60, f"took {elapsed:.0f} s"
 
 
-GIL_HELD = '''
+GIL_HELD = """
 import ctypes
 import pytest
 
@@ -144,17 +148,19 @@ import pytest
 def test_rank_one_holds_the_gil(rank):
     if rank == 1:
         ctypes.PyDLL(None).sleep(30)  # a C call that keeps the GIL: no Python thread can run
-'''
+"""
 
 
 def test_a_rank_holding_the_gil_falls_back_to_faulthandler(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_inner_gil=GIL_HELD)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        "rank 1: HUNG, Python stacks at the timeout:",
-        "*(no answer from the rank's reporter thread within * s: a C call holds its GIL*",
-        "*Current thread 0x* (most recent call last):",
-        "*test_inner_gil.py*, line 7, in test_rank_one_holds_the_gil",
-        "*ctypes.PyDLL(None).sleep(30)*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "rank 1: HUNG, Python stacks at the timeout:",
+            "*(no answer from the rank's reporter thread within * s: a C call holds its GIL*",
+            "*Current thread 0x* (most recent call last):",
+            "*test_inner_gil.py*, line 7, in test_rank_one_holds_the_gil",
+            "*ctypes.PyDLL(None).sleep(30)*",
+        ]
+    )

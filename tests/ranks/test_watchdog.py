@@ -38,9 +38,25 @@ def test_hang_under_torchrun_ends_with_a_report_from_every_rank(tmp_path):
     (tmp_path / "test_inner_hang.py").write_text(textwrap.dedent(HANGING_TEST))
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_inner_hang.py")],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_inner_hang.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        check=False,
     )
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
@@ -65,8 +81,14 @@ def _free_port() -> int:
 @pytest.fixture
 def one_rank_launch(monkeypatch):
     """The environment torchrun gives a job of 1 rank (so the plugin runs bodies inline, under the watchdog)."""
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+    for name, value in {
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
         monkeypatch.setenv(name, value)
 
 

@@ -20,7 +20,8 @@ def test_guard_records_errors_of_the_code_under_test_and_lets_the_framework_s_ow
         raise ValueError("shape mismatch\nsecond line")
     assert guard.failed
     assert [(m.what, m.detail) for m in mismatches] == [
-        ("output[0]", "gathering it raised ValueError: shape mismatch; plugin handler(s) that ran: p")]
+        ("output[0]", "gathering it raised ValueError: shape mismatch; plugin handler(s) that ran: p")
+    ]
     assert not _is_code_error(MissingShardPatch("no patch")) and _is_code_error(RuntimeError("x"))
     with pytest.raises(MissingShardPatch), _Guard("output", "the sharded forward", mismatches, lambda e: ""):
         raise MissingShardPatch("no patch")
@@ -29,7 +30,9 @@ def test_guard_records_errors_of_the_code_under_test_and_lets_the_framework_s_ow
 
 
 def test_backward_errors_name_the_output_in_the_caller_s_numbering():
-    assert _backward_target(RuntimeError("Mismatch in shape: output[1]"), [0, 3]) == "gradients (backward from output[3])"
+    assert (
+        _backward_target(RuntimeError("Mismatch in shape: output[1]"), [0, 3]) == "gradients (backward from output[3])"
+    )
     assert _backward_target(RuntimeError("Mismatch in shape: output[5]"), [0, 3]) == "gradients (backward)"
     assert _backward_target(RuntimeError("no index"), [0]) == "gradients (backward)"
 
@@ -51,7 +54,7 @@ def _from_local_like(local, x, placements=None):
     placements = x.placements if placements is None else placements
     dim = x.placements[0].dim
     sizes = [s[dim] for s in x._spec.sharding_shapes()[0]]
-    shapes = {0: [tuple(local.shape[:dim]) + (n,) + tuple(local.shape[dim + 1:]) for n in sizes]}
+    shapes = {0: [tuple(local.shape[:dim]) + (n,) + tuple(local.shape[dim + 1 :]) for n in sizes]}
     return ShardTensor.from_local(local, x.device_mesh, placements, sharding_shapes=shapes)
 
 

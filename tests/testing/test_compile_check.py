@@ -44,11 +44,18 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("params", ["distribute", "plain"])
 def test_compile_option_compares_compiled_steps_with_eager(domain_mesh, _fresh_dynamo, params):
     x = torch.randn(1, 3, 11, 6)
-    report = check_conformance(_PadNormConv(), [x], ShardSpec(domain_mesh, [Shard(2)], [7, 4]),
-                               params=params, compile="aot_eager", count_comms=False)
+    report = check_conformance(
+        _PadNormConv(),
+        [x],
+        ShardSpec(domain_mesh, [Shard(2)], [7, 4]),
+        params=params,
+        compile="aot_eager",
+        count_comms=False,
+    )
     compiled = {k: v for k, v in report.max_abs_errors.items() if k.startswith("compiled (aot_eager)")}
     names = ["output[0]", "gradient of input[0]"] + [
-        f"gradient of parameter {n!r}" for n in ("norm.weight", "norm.bias", "conv.weight", "conv.bias")]
+        f"gradient of parameter {n!r}" for n in ("norm.weight", "norm.bias", "conv.weight", "conv.bias")
+    ]
     assert set(compiled) == {f"compiled (aot_eager) step {k}: {n}" for k in range(2) for n in names}
     assert max(compiled.values()) == 0.0  # the sharded ops run eagerly behind graph breaks: same numbers
 
@@ -61,8 +68,11 @@ def _traced_differently_tanh(func, types, args, kwargs):
 
     x = args[0]
     local = torch.tanh(x.to_local())
-    return from_local_like(local * 2 if is_tracing(args, kwargs) else local, x) if isinstance(x, ShardTensor) \
+    return (
+        from_local_like(local * 2 if is_tracing(args, kwargs) else local, x)
+        if isinstance(x, ShardTensor)
         else torch.tanh(x)
+    )
 
 
 @pytest.mark.multirank(2)

@@ -31,10 +31,18 @@ def _no_halo_conv2d(func, types, args, kwargs):
 
     a = _conv_args(args, kwargs or {})
     x = a["input"]
-    y = F.conv2d(_local(x), _local(a["weight"]), _local(a.get("bias")), a.get("stride", 1),
-                 a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
-    shapes = {m: [tuple(s[:1]) + (y.shape[1],) + tuple(s[2:]) for s in shp]
-              for m, shp in x._spec.sharding_shapes().items()}
+    y = F.conv2d(
+        _local(x),
+        _local(a["weight"]),
+        _local(a.get("bias")),
+        a.get("stride", 1),
+        a.get("padding", 0),
+        a.get("dilation", 1),
+        a.get("groups", 1),
+    )
+    shapes = {
+        m: [tuple(s[:1]) + (y.shape[1],) + tuple(s[2:]) for s in shp] for m, shp in x._spec.sharding_shapes().items()
+    }
     return ShardTensor.from_local(y, x.device_mesh, x.placements, sharding_shapes=shapes)
 
 
@@ -46,14 +54,21 @@ def _unreduced_weight_grad_conv2d(func, types, args, kwargs):
     x = a["input"]
     full = x.full_tensor()
     # to_local() of the Replicate weight: its backward labels the local grad Replicate, unreduced.
-    y = F.conv2d(full, _local(a["weight"]), _local(a.get("bias")), a.get("stride", 1),
-                 a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
+    y = F.conv2d(
+        full,
+        _local(a["weight"]),
+        _local(a.get("bias")),
+        a.get("stride", 1),
+        a.get("padding", 0),
+        a.get("dilation", 1),
+        a.get("groups", 1),
+    )
     shapes = x._spec.sharding_shapes()
     dim = x.placements[0].dim
     sizes = [s[dim] for s in shapes[0]]
     coord = x.device_mesh.get_local_rank(0)
     y_local = y.narrow(dim, sum(sizes[:coord]), sizes[coord])
-    out_shapes = {0: [tuple(y.shape[:dim]) + (n,) + tuple(y.shape[dim + 1:]) for n in sizes]}
+    out_shapes = {0: [tuple(y.shape[:dim]) + (n,) + tuple(y.shape[dim + 1 :]) for n in sizes]}
     return ShardTensor.from_local(y_local, x.device_mesh, x.placements, sharding_shapes=out_shapes)
 
 
@@ -64,7 +79,10 @@ def test_conv2d_uneven_split_conforms(domain_mesh):
     report = check_conformance(conv, [x], ShardSpec(domain_mesh, [Shard(2)], [10, 7]))
     assert report.output_placements == [(Shard(2),)]
     assert set(report.max_abs_errors) == {
-        "output[0]", "gradient of input[0]", "gradient of parameter 'weight'", "gradient of parameter 'bias'"
+        "output[0]",
+        "gradient of input[0]",
+        "gradient of parameter 'weight'",
+        "gradient of parameter 'bias'",
     }
     # The halo exchange is communication in forward; the weight/bias grads are reduced in backward.
     assert report.comms.forward.total_calls >= 1
@@ -120,8 +138,7 @@ def test_unreduced_parameter_gradient_is_caught(domain_mesh, registry_sandbox):
 def test_sandbox_undid_the_wrong_patch(domain_mesh):
     # Runs after the two tests above in the same (reused) workers: their handlers are gone.
     conv = torch.nn.Conv2d(3, 4, 3, padding=1)
-    check_conformance(conv, [torch.randn(1, 3, 17, 8)], ShardSpec(domain_mesh, [Shard(2)], [10, 7]),
-                      count_comms=False)
+    check_conformance(conv, [torch.randn(1, 3, 17, 8)], ShardSpec(domain_mesh, [Shard(2)], [10, 7]), count_comms=False)
 
 
 @pytest.mark.multirank(2)
@@ -149,6 +166,7 @@ class _LocalSumTracker(torch.nn.Module):
 def test_wrong_buffer_is_caught(domain_mesh):
     x = torch.randn(2, 9)
     with pytest.raises(ConformanceError) as info:
-        check_conformance(_LocalSumTracker(), [x], ShardSpec(domain_mesh, [Shard(1)], [5, 4]),
-                          params="plain", count_comms=False)
+        check_conformance(
+            _LocalSumTracker(), [x], ShardSpec(domain_mesh, [Shard(1)], [5, 4]), params="plain", count_comms=False
+        )
     assert {m.what for m in info.value.mismatches} == {"buffer 'seen'"}

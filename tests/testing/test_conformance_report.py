@@ -14,7 +14,9 @@ def test_the_same_mismatch_on_several_ranks_is_one_entry_with_the_worst_error():
     other = Mismatch("output[1]", "shape (3,) != reference (4,)")
     merged = _merge([[a, other], [b]])
     assert [(m.what, m.max_abs_error, m.ranks) for m in merged] == [
-        ("output[0]", 2.0, (0, 1)), ("output[1]", None, (0,))]
+        ("output[0]", 2.0, (0, 1)),
+        ("output[1]", None, (0,)),
+    ]
 
 
 def test_a_comparison_is_described_by_its_worst_element():
@@ -24,8 +26,11 @@ def test_a_comparison_is_described_by_its_worst_element():
 
 
 def test_error_lists_every_mismatch_and_the_plugins_that_ran():
-    error = ConformanceError([Mismatch("output[0]", "x", ranks=(0,)), Mismatch("buffer 'b'", "y", ranks=(1,))],
-                             " (tanh)", plugins=["p (d==1) for torch.tanh"])
+    error = ConformanceError(
+        [Mismatch("output[0]", "x", ranks=(0,)), Mismatch("buffer 'b'", "y", ranks=(1,))],
+        " (tanh)",
+        plugins=["p (d==1) for torch.tanh"],
+    )
     assert isinstance(error, AssertionError) and len(error.mismatches) == 2
     assert str(error).splitlines() == [
         "sharded run does not match the single-process reference (tanh):",
@@ -37,4 +42,6 @@ def test_error_lists_every_mismatch_and_the_plugins_that_ran():
 
 def test_report_says_when_the_check_ran_under_autocast():
     report = ConformanceReport(max_abs_errors={"output[0]": 0.25}, autocast=("cpu", torch.bfloat16))
-    assert str(report).startswith("conformant under torch.autocast('cpu', dtype=torch.bfloat16) (worst abs error 2.50e-01")
+    assert str(report).startswith(
+        "conformant under torch.autocast('cpu', dtype=torch.bfloat16) (worst abs error 2.50e-01"
+    )

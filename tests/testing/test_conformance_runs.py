@@ -55,12 +55,20 @@ def test_expected_placements_read_every_form():
 
 
 def test_comparisons_use_the_one_rule_near_zero_and_name_the_worst_element():
-    from physicsnemo_shardext.testing.conformance import ConformanceReport, Mismatch, _compare, _merge
+    from physicsnemo_shardext.testing.conformance import ConformanceReport, _compare, _merge
 
     report, mismatches = ConformanceReport(), []
     # A zero-initialised layer's gradient, 1e-8 off its exactly zero reference: within atol, no mismatch.
-    _compare("gradient of parameter 'q'", torch.full((4, 4), 1e-8), torch.zeros(4, 4), 1e-4, 1e-5, mismatches,
-             report.max_abs_errors, results=report.comparisons)
+    _compare(
+        "gradient of parameter 'q'",
+        torch.full((4, 4), 1e-8),
+        torch.zeros(4, 4),
+        1e-4,
+        1e-5,
+        mismatches,
+        report.max_abs_errors,
+        results=report.comparisons,
+    )
     assert not mismatches and report.max_abs_errors["gradient of parameter 'q'"] == pytest.approx(1e-8)
     assert report.comparisons["gradient of parameter 'q'"].max_rel_error < 1e-2
     wrong = torch.zeros(4, 4)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 
 from physicsnemo_shardext.testing import ShardSpec, check_conformance, shard_tensor
 
-INNER = '''
+INNER = """
 import os, time
 from pathlib import Path
 import pytest, torch
@@ -71,7 +71,7 @@ def test_e_after_trouble(rank):
 @pytest.mark.multirank(2)
 def test_f_skip_inside(rank):
     pytest.skip("skipped on the ranks")
-'''
+"""
 
 
 def _recorded(path: Path) -> dict[str, dict[int, int]]:
@@ -96,26 +96,30 @@ def test_failing_hanging_and_dying_ranks_are_reported(pytester: pytest.Pytester)
     out = result.stdout.str()
 
     # failing rank: per-rank report with rank 1's traceback
-    result.stdout.fnmatch_lines([
-        "*test_b_fails_on_rank_1*",
-        "multirank(2) test failed on rank(s) [[]1[]]*",
-        "rank 0: passed*",
-        "rank 1: failed*",
-        "*assert rank == 0*",
-        "*AssertionError: rank 1 disagrees*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_b_fails_on_rank_1*",
+            "multirank(2) test failed on rank(s) [[]1[]]*",
+            "rank 0: passed*",
+            "rank 1: failed*",
+            "*assert rank == 0*",
+            "*AssertionError: rank 1 disagrees*",
+        ]
+    )
     # hanging rank: reported within the 10 s timeout, with the collective it waits in and its
     # Python stacks, innermost call last
-    result.stdout.fnmatch_lines([
-        "multirank(2) test rank(s) [[]1[]] hung (no result within 10 s)*",
-        "rank 0: passed*",
-        "rank 1: HUNG, Python stacks at the timeout:",
-        "*pending collective: barrier() over a process group of 2 ranks, issued at *test_inner.py:* in "
-        "test_c_hangs_on_rank_1 (thread MainThread, waiting *",
-        "*Thread MainThread:",
-        "*test_inner.py*in test_c_hangs_on_rank_1*",
-        "*, in barrier",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "multirank(2) test rank(s) [[]1[]] hung (no result within 10 s)*",
+            "rank 0: passed*",
+            "rank 1: HUNG, Python stacks at the timeout:",
+            "*pending collective: barrier() over a process group of 2 ranks, issued at *test_inner.py:* in "
+            "test_c_hangs_on_rank_1 (thread MainThread, waiting *",
+            "*Thread MainThread:",
+            "*test_inner.py*in test_c_hangs_on_rank_1*",
+            "*, in barrier",
+        ]
+    )
     # dying rank: its exit code
     result.stdout.fnmatch_lines(["*rank 1: DIED with exit code 7*"])
     assert "SKIPPED" in out and "skipped on the ranks" in out
@@ -195,9 +199,7 @@ def test_monkeypatch_on_a_rank_is_undone_before_the_next_test(rank):
     assert "SHARDEXT_TEST_MONKEYPATCH_LEAK" not in os.environ
 
 
-@pytest.mark.parametrize(
-    "ranks", [pytest.param(n, marks=pytest.mark.multirank(n), id=f"{n}ranks") for n in (2, 4)]
-)
+@pytest.mark.parametrize("ranks", [pytest.param(n, marks=pytest.mark.multirank(n), id=f"{n}ranks") for n in (2, 4)])
 def test_spatial_mesh_is_two_dimensional_on_two_and_four_ranks(spatial_mesh, world_size, rank, ranks):
     # (2, N/2): (2, 1) on 2 ranks, so 2-D tests also run under torchrun --nproc-per-node 2.
     assert world_size == ranks

@@ -74,7 +74,8 @@ def test_cpu_bootstrap_scatter_tensor(domain_mesh, rank):
     manager = DistributedManager()
     assert DistributedManager.is_initialized() and manager.world_size == 2 and manager.rank == rank
     full = torch.arange(2 * 9 * 3, dtype=torch.float32).reshape(2, 9, 3)  # 9 = 5 + 4
-    xs = scatter_tensor(full if rank == 0 else None, 0, domain_mesh, (Shard(1),),
-                        global_shape=full.shape, dtype=full.dtype)
+    xs = scatter_tensor(
+        full if rank == 0 else None, 0, domain_mesh, (Shard(1),), global_shape=full.shape, dtype=full.dtype
+    )
     assert torch.equal(xs.to_local(), full.chunk(2, dim=1)[rank])
     assert torch.equal(xs.full_tensor(), full)

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from physicsnemo_shardext.tools.cli import main
 from physicsnemo_shardext.testing.plugin_packages import write_plugin_distribution
+from physicsnemo_shardext.tools.cli import main
 
 
 def run_cli(*argv):
@@ -43,7 +43,17 @@ def test_list_table_and_plugin_filter():
 
 def test_doctor_reports_versions_backends_and_plugins():
     text = run_cli("doctor")
-    for needle in ("torch", "nvidia-physicsnemo", "pluggy", "physicsnemo-shardext", "gloo", "nccl", "cuda", "loaded", "Conflicts"):
+    for needle in (
+        "torch",
+        "nvidia-physicsnemo",
+        "pluggy",
+        "physicsnemo-shardext",
+        "gloo",
+        "nccl",
+        "cuda",
+        "loaded",
+        "Conflicts",
+    ):
         assert needle in text
     data = json.loads(run_cli("doctor", "--json"))
     assert data["backends"]["gloo"] is True and "pointwise" in data["plugins"]["loaded"]
@@ -60,7 +70,9 @@ def shardext_declare_patches(patches):
 """
     write_plugin_distribution(tmp_path, "left-dist", "1.0", {"left": "left_cli"}, {"left_cli": plugin})
     write_plugin_distribution(tmp_path, "right-dist", "1.0", {"right": "right_cli"}, {"right_cli": plugin})
-    write_plugin_distribution(tmp_path, "oops-dist", "0.2", {"oops": "oops_cli"}, {"oops_cli": "import no_such_module_zz"})
+    write_plugin_distribution(
+        tmp_path, "oops-dist", "0.2", {"oops": "oops_cli"}, {"oops_cli": "import no_such_module_zz"}
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "SHARDEXT_PREFER": "right"}
     script = Path(sys.executable).with_name("shardext")
     listing = subprocess.run([str(script), "list"], capture_output=True, text=True, env=env, timeout=300)
@@ -166,7 +178,9 @@ def test_direct_registry_write_over_a_plugin_slot_is_flagged(registry_snapshot):
     assert "DRIFT (recorded: physicsnemo_shardext.patches.pointwise.local_pointwise)" in text
     assert "Handlers ShardTensor calls that are not the recorded ones:" in text
     doctor = json.loads(run_cli("doctor", "--json"))
-    assert [(d["target"], d["handler"]) for d in doctor["drift"]] == [("torch.nn.functional.gelu", f"{__name__}._overwrite")]
+    assert [(d["target"], d["handler"]) for d in doctor["drift"]] == [
+        ("torch.nn.functional.gelu", f"{__name__}._overwrite")
+    ]
     assert "DRIFT function torch.nn.functional.gelu: ShardTensor calls" in run_cli("doctor")
 
 
@@ -365,16 +379,22 @@ def test_list_and_doctor_show_plugin_health_and_load_times(tmp_path, monkeypatch
     import warnings
 
     import physicsnemo_shardext
-    from physicsnemo_shardext.tools.json_schemas import SCHEMAS, validate
     from physicsnemo_shardext.engine.loader import PluginLoader
     from physicsnemo_shardext.settings import Settings
     from physicsnemo_shardext.testing.plugin_packages import entry_points_in
+    from physicsnemo_shardext.tools.json_schemas import SCHEMAS, validate
 
     head = "import time, torch\nfrom physicsnemo_shardext import hookimpl\ndef h(func, types, args, kwargs): ...\n"
     plugins = {
-        "forgetful": ("forgetful_cli_mod", head + "def shardext_declare_patches(patches):\n    patches.function(torch.cummin, h)\n"),
-        "sluggish": ("sluggish_cli_mod", head + "time.sleep(0.3)\n@hookimpl\ndef shardext_declare_patches(patches):\n"
-                     "    patches.function(torch.cummax, h)\n"),
+        "forgetful": (
+            "forgetful_cli_mod",
+            head + "def shardext_declare_patches(patches):\n    patches.function(torch.cummin, h)\n",
+        ),
+        "sluggish": (
+            "sluggish_cli_mod",
+            head + "time.sleep(0.3)\n@hookimpl\ndef shardext_declare_patches(patches):\n"
+            "    patches.function(torch.cummax, h)\n",
+        ),
         "gated": ("gated_cli_mod", head + "@hookimpl\ndef shardext_declare_patches(patches):\n    return\n"),
     }
     for name, (module, source) in plugins.items():
@@ -412,11 +432,25 @@ def test_list_and_doctor_show_plugin_health_and_load_times(tmp_path, monkeypatch
 def test_json_plugin_health_fields_are_typed_by_the_schema():
     from physicsnemo_shardext.tools.json_schemas import SCHEMAS, validate
 
-    row = {"plugin": "p", "distribution": "d", "version": "1", "status": "loaded", "patches": 0, "stage": "",
-           "reason": "", "not_applicable": [], "problems": "not a list", "load_seconds": "fast", "slow": 1}
+    row = {
+        "plugin": "p",
+        "distribution": "d",
+        "version": "1",
+        "status": "loaded",
+        "patches": 0,
+        "stage": "",
+        "reason": "",
+        "not_applicable": [],
+        "problems": "not a list",
+        "load_seconds": "fast",
+        "slow": 1,
+    }
     problems = validate({"schema_version": 3, "handlers": [], "plugins": [row], "errors": []}, SCHEMAS["list"])
-    assert problems == ["$.plugins[0].problems: str is not array", "$.plugins[0].load_seconds: str is not number or null",
-                        "$.plugins[0].slow: int is not boolean"]
+    assert problems == [
+        "$.plugins[0].problems: str is not array",
+        "$.plugins[0].load_seconds: str is not number or null",
+        "$.plugins[0].slow: int is not boolean",
+    ]
 
 
 _DRIFT = """

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import pytest
-
 from verify_support.records import rank_record as _rank
 
 from physicsnemo_shardext.tools.model_check import (
-    EXIT_CODES, REPORT_VERSION, BadInput, VerifyConfig, build_report, load_factory, load_plugin_object, split_sizes,
+    EXIT_CODES,
+    REPORT_VERSION,
+    BadInput,
+    VerifyConfig,
+    build_report,
+    load_factory,
+    load_plugin_object,
+    split_sizes,
 )
 
 
 @pytest.mark.parametrize(
     ("length", "parts", "split", "sizes"),
-    [(17, 2, "even", [9, 8]), (8, 4, "even", [2, 2, 2, 2]), (6, 4, "even", [2, 2, 1, 1]),
-     (17, 2, "uneven", [11, 6]), (64, 4, "uneven", [20, 16, 16, 12]), (5, 2, "2,3", [2, 3]), (5, 2, "0,5", [0, 5])],
+    [
+        (17, 2, "even", [9, 8]),
+        (8, 4, "even", [2, 2, 2, 2]),
+        (6, 4, "even", [2, 2, 1, 1]),
+        (17, 2, "uneven", [11, 6]),
+        (64, 4, "uneven", [20, 16, 16, 12]),
+        (5, 2, "2,3", [2, 3]),
+        (5, 2, "0,5", [0, 5]),
+    ],
 )
 def test_split_sizes(length, parts, split, sizes):
     assert split_sizes(length, parts, split) == sizes and sum(sizes) == length
@@ -22,8 +35,12 @@ def test_split_sizes(length, parts, split, sizes):
 
 @pytest.mark.parametrize(
     ("length", "parts", "split", "message"),
-    [(3, 4, "even", "more ranks than rows"), (2, 2, "uneven", "too few for an uneven split"),
-     (5, 2, "2,2", "summing to 5"), (5, 2, "a,b", "comma-separated sizes")],
+    [
+        (3, 4, "even", "more ranks than rows"),
+        (2, 2, "uneven", "too few for an uneven split"),
+        (5, 2, "2,2", "summing to 5"),
+        (5, 2, "a,b", "comma-separated sizes"),
+    ],
 )
 def test_split_sizes_refuses_with_the_reason(length, parts, split, message):
     with pytest.raises(BadInput, match=message):
@@ -52,8 +69,14 @@ def test_report_statuses_and_exit_codes():
     mismatch = build_report(config, [_rank(), _rank(rel=0.5)])
     assert mismatch["status"] == "mismatch" and mismatch["comparison"][0]["relative_error"] == 0.5
     assert any("SHARDEXT_DISABLE" in step for step in mismatch["next_steps"])
-    error = {"type": "MissingShardPatch", "unsupported": True, "message": "no", "op": "torch.tanh",
-             "configuration": "", "site": None}
+    error = {
+        "type": "MissingShardPatch",
+        "unsupported": True,
+        "message": "no",
+        "op": "torch.tanh",
+        "configuration": "",
+        "site": None,
+    }
     refused = build_report(config, [_rank(error=error), _rank(error=error)])
     assert refused["status"] == "unsupported" and refused["exit_code"] == EXIT_CODES["unsupported"] == 2
     assert "first error: MissingShardPatch in torch.tanh" in refused["summary"]

@@ -8,8 +8,14 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 import physicsnemo_shardext
-from physicsnemo_shardext.tools.op_trace import OpTracer, describe_call, find_call_site, output_layout, registry_provider
 from physicsnemo_shardext.testing import shard_tensor
+from physicsnemo_shardext.tools.op_trace import (
+    OpTracer,
+    describe_call,
+    find_call_site,
+    output_layout,
+    registry_provider,
+)
 
 
 def test_call_site_skips_machinery_and_names_this_line():

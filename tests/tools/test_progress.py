@@ -118,8 +118,9 @@ def test_records_written_by_another_process_reach_the_bar(tmp_path):
     path = tmp_path / "progress"
     log = io.StringIO()
     bar = ProgressBar(log, clock=lambda: 0.0)
-    feed = ProgressFeed(path, lambda phase, done, total: bar.update(bar_text(phase, done, total),
-                                                                      log=f"[{done}/{total}] {phase} done"))
+    feed = ProgressFeed(
+        path, lambda phase, done, total: bar.update(bar_text(phase, done, total), log=f"[{done}/{total}] {phase} done")
+    )
     feed.start()
     writer = _ALONE + f"for done in (1, 2):\n    module.write_record({str(path)!r}, f'task {{done}}', done, 2)\n"
     subprocess.run([sys.executable, "-c", writer], check=True, timeout=60)

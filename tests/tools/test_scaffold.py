@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from physicsnemo_shardext.testing.plugin_packages import write_plugin_distribution
 from physicsnemo_shardext.tools import scaffold
 from physicsnemo_shardext.tools.cli import main
-from physicsnemo_shardext.testing.plugin_packages import write_plugin_distribution
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "shardext-scaffold-check"
@@ -69,7 +69,10 @@ def _layered_environment(root: Path) -> Path:
     python = root / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.strip()
     # addsitedir (not a bare path) so that this environment's own .pth files, editable installs included, apply.
     lines = "".join(f"import site; site.addsitedir({path!r})\n" for path in site.getsitepackages())
@@ -84,7 +87,10 @@ def installed(generated: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     pip = [str(python), "-m", "pip"]
     install = subprocess.run(
         [*pip, "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", "-e", str(generated)],
-        capture_output=True, text=True, timeout=300, env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_clean_env(),
     )
     assert install.returncode == 0, f"pip install -e failed:\n{install.stdout}\n{install.stderr}"
     yield python
@@ -108,10 +114,17 @@ def _test_names() -> tuple[set[str], set[str]]:
 
 def test_generated_plugin_installs_and_its_tests_pass_under_pytest_and_torchrun(generated, installed):
     listing = subprocess.run(
-        [str(installed), "-c", "from importlib import metadata; "
-         "print([(e.name, e.value) for e in metadata.entry_points(group='physicsnemo_shardext') if e.dist.name == "
-         f"{NAME!r}])"],
-        capture_output=True, text=True, timeout=60, env=_clean_env(),
+        [
+            str(installed),
+            "-c",
+            "from importlib import metadata; "
+            "print([(e.name, e.value) for e in metadata.entry_points(group='physicsnemo_shardext') if e.dist.name == "
+            f"{NAME!r}])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
     )
     assert listing.stdout.strip() == f"[('{NAME}', '{MODULE}.patches')]", listing.stderr
     env = _clean_env(PYTHON=str(installed), SKIP_INSTALL="1", TORCHRUN_RANKS="2", PYTEST_ADDOPTS="-rA")
@@ -221,7 +234,9 @@ def test_plugin_name_taken_by_an_installed_plugin_is_refused(capsys, tmp_path, m
     monkeypatch.syspath_prepend(str(tmp_path))
     code, _, err = _new("Left-Op", "--dir", str(tmp_path / "out"), capsys=capsys)
     assert code == 2
-    assert err == "shardext new: error: the plugin name 'left-op' is already published by left-dist; pick another name\n"
+    assert (
+        err == "shardext new: error: the plugin name 'left-op' is already published by left-dist; pick another name\n"
+    )
 
 
 def test_existing_directory_is_refused_unless_empty(tmp_path, capsys):
@@ -272,9 +287,15 @@ def _imported_modules(stderr: str) -> set[str]:
     ids=["new", "python -m new", "--help", "new --help", "no arguments"],
 )
 def test_new_and_help_answer_without_importing_torch(command, tmp_path):
-    values = {"script": str(Path(sys.executable).with_name("shardext")), "python": sys.executable, "dir": str(tmp_path / "d")}
+    values = {
+        "script": str(Path(sys.executable).with_name("shardext")),
+        "python": sys.executable,
+        "dir": str(tmp_path / "d"),
+    }
     argv = [part.format(**values) for part in command]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=_clean_env(PYTHONPROFILEIMPORTTIME="1"))
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, env=_clean_env(PYTHONPROFILEIMPORTTIME="1")
+    )
     modules = _imported_modules(result.stderr)
     assert "physicsnemo_shardext" in modules, result.stderr[-2000:]
     heavy = modules & {"torch", "physicsnemo", "numpy", "warp"}

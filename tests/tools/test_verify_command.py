@@ -7,7 +7,6 @@ the ranks. Checks of flags the parent refuses run in-process.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 
 from physicsnemo_shardext.tools import cli
 from physicsnemo_shardext.tools.json_schemas import SCHEMAS, validate
-from physicsnemo_shardext.tools.verify_command import _bar_text, parse_mesh, parse_shape, UsageError
+from physicsnemo_shardext.tools.verify_command import UsageError, _bar_text, parse_mesh, parse_shape
 
 SUPPORT = Path(__file__).parents[1] / "verify_support"
 MODELS = SUPPORT / "models.py"
@@ -26,15 +25,27 @@ LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("SHARDEXT_", "TORCHELASTIC_", "PYTEST_")) and k not in LAUNCHER}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SHARDEXT_", "TORCHELASTIC_", "PYTEST_")) and k not in LAUNCHER
+    }
 
 
 def verify(tmp_path: Path, factory: str, *flags: str, timeout: float = 300) -> tuple[int, str, str, dict | None]:
     """Run the console command; returns (exit status, stdout, stderr, the JSON report or None)."""
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "physicsnemo_shardext", "verify", f"{MODELS}:{factory}", *flags,
-               "--json", str(report), "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "physicsnemo_shardext",
+        "verify",
+        f"{MODELS}:{factory}",
+        *flags,
+        "--json",
+        str(report),
+        "--no-progress",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=tmp_path)
     data = json.loads(report.read_text()) if report.exists() else None
     return result.returncode, result.stdout, result.stderr, data
@@ -42,8 +53,9 @@ def verify(tmp_path: Path, factory: str, *flags: str, timeout: float = 300) -> t
 
 def test_fno_matches_op_by_op_with_every_gradient(tmp_path):
     html = tmp_path / "report.html"
-    status, out, err, report = verify(tmp_path, "fno", "--input", "1x3x32x32", "--shard", "2", "--ranks", "2",
-                                      "--html", str(html))
+    status, out, err, report = verify(
+        tmp_path, "fno", "--input", "1x3x32x32", "--shard", "2", "--ranks", "2", "--html", str(html)
+    )
     assert status == 0, out + err
     assert report["schema"] == "physicsnemo-shardext/verify" and report["schema_version"] == 1
     assert validate(report, SCHEMAS["verify"]) == []
@@ -87,8 +99,7 @@ def test_an_unpatched_op_that_gathers_is_flagged_with_what_to_do(tmp_path):
 
 
 def test_a_refused_configuration_exits_2_naming_op_configuration_and_source_line(tmp_path):
-    status, out, err, report = verify(tmp_path, "gelu_model", "--input", "1x2x8x8", "--shard", "1",
-                                      "--split", "even")
+    status, out, err, report = verify(tmp_path, "gelu_model", "--input", "1x2x8x8", "--shard", "1", "--split", "even")
     assert status == 2, out + err
     error = report["error"]
     assert report["status"] == "unsupported" and error["type"] == "MissingShardPatch"
@@ -99,8 +110,9 @@ def test_a_refused_configuration_exits_2_naming_op_configuration_and_source_line
 
 
 def test_a_deliberately_wrong_plugin_makes_it_exit_1(tmp_path):
-    status, out, err, report = verify(tmp_path, "gelu_model", "--input", "1x2x12x6",
-                                      "--plugin", str(SUPPORT / "wrong_plugin.py"))
+    status, out, err, report = verify(
+        tmp_path, "gelu_model", "--input", "1x2x12x6", "--plugin", str(SUPPORT / "wrong_plugin.py")
+    )
     assert status == 1, out + err
     assert report["status"] == "mismatch"
     gelu = next(op for op in report["ops"] if op["op"] == "torch.nn.functional.gelu")
@@ -111,8 +123,20 @@ def test_a_deliberately_wrong_plugin_makes_it_exit_1(tmp_path):
 
 
 def test_a_2d_mesh_and_a_factory_that_returns_its_inputs(tmp_path):
-    status, out, err, report = verify(tmp_path, "model_and_inputs", "--shard", "2", "--shard", "3", "--ranks", "2",
-                                      "--mesh", "2x1", "--split", "7,5/6")
+    status, out, err, report = verify(
+        tmp_path,
+        "model_and_inputs",
+        "--shard",
+        "2",
+        "--shard",
+        "3",
+        "--ranks",
+        "2",
+        "--mesh",
+        "2x1",
+        "--split",
+        "7,5/6",
+    )
     assert status == 0, out + err
     assert report["split"] == {"placements": ["Shard(2)", "Shard(3)"], "sizes": {"0": [7, 5], "1": [6]}}
 
@@ -164,9 +188,24 @@ def test_parsers_and_progress_text():
 
 def test_under_torchrun_every_rank_runs_inline_and_rank_0_reports(tmp_path):
     report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "physicsnemo_shardext", "verify", f"{MODELS}:gelu_model", "--input", "1x2x12x6",
-               "--ranks", "2", "--json", str(report_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "physicsnemo_shardext",
+        "verify",
+        f"{MODELS}:gelu_model",
+        "--input",
+        "1x2x12x6",
+        "--ranks",
+        "2",
+        "--json",
+        str(report_path),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(report_path.read_text())
@@ -187,7 +226,8 @@ def test_rtol_and_atol_flags_set_the_tolerance_and_the_text_states_both():
     add_arguments(parser)
     config = config_from_args(parser.parse_args(["m:f", "--rtol", "1e-3", "--atol", "1e-6"]), None)
     assert config.tolerance == Tolerance(1e-3, 1e-6)
-    assert config_from_args(parser.parse_args(["m:f", "--dtype", "float64"]), None).tolerance == \
-        Tolerance.for_dtype("float64")
+    assert config_from_args(parser.parse_args(["m:f", "--dtype", "float64"]), None).tolerance == Tolerance.for_dtype(
+        "float64"
+    )
     text = render_text(build_report(config, [rank_record(), rank_record()]))
     assert "|a - r| <= atol + rtol*|r| per element, rtol 1e-03, atol 1e-06" in text

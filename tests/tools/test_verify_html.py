@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from verify_support.records import rank_record as _rank
+
 from physicsnemo_shardext.tools.model_check import VerifyConfig, build_report
 from physicsnemo_shardext.tools.verify_html import render_html, write_html
-
-from verify_support.records import rank_record as _rank
 
 
 def test_page_has_summary_ops_with_bars_and_comparison(tmp_path):

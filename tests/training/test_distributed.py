@@ -103,7 +103,10 @@ def test_more_ranks_than_gpus_falls_back_to_gloo_with_a_warning(tmp_path):
     script.write_text(MORE_RANKS_THAN_GPUS)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert "rank 0 fell back to gloo" in result.stdout and "rank 1 fell back to gloo" in result.stdout

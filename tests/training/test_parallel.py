@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
+from training_models import PosCNN
 
 from physicsnemo_shardext.training.parallel import (
     ParallelLayout,
@@ -37,7 +38,6 @@ from physicsnemo_shardext.training.parallel import (
     unwrap_model,
     wrap_model,
 )
-from training_models import PosCNN
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -76,7 +76,7 @@ def test_factorize_rejects_what_does_not_multiply_out(world, ddp, domain, messag
 
 
 def test_chunk_sizes_follow_torch_chunk():
-    for size in range(0, 12):
+    for size in range(12):
         for parts in range(1, 5):
             sizes = chunk_sizes(size, parts)
             got = [c.shape[0] for c in torch.arange(size).chunk(parts)] if size else []
@@ -110,8 +110,14 @@ def _layout(ddp: int) -> ParallelLayout:
 
 @pytest.mark.multirank(4)
 def test_build_layout_shapes_and_coordinates(rank, world_size):
-    cases = [((2, 2), (2, None)), ((4, 1), (4, None)), ((1, 4), (1, None)), ((1, 4), (None, None)),
-             ((2, 2), (None, 2)), ((4, 1), (-1, 1))]
+    cases = [
+        ((2, 2), (2, None)),
+        ((4, 1), (4, None)),
+        ((1, 4), (1, None)),
+        ((1, 4), (None, None)),
+        ((2, 2), (None, 2)),
+        ((4, 1), (-1, 1)),
+    ]
     for (ddp, domain), arguments in cases:
         layout = build_layout(*arguments)
         assert (layout.ddp_size, layout.domain_size, layout.world_size) == (ddp, domain, world_size)
@@ -201,9 +207,13 @@ def test_broadcast_parameters_makes_each_domain_group_agree(rank):
     torch.manual_seed(100 + rank)  # every rank starts with different weights and buffers
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     model[1].running_mean.normal_()
-    before = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+    before = torch.cat(
+        [t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    )
     broadcast_parameters(model, layout)
-    after = torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()])
+    after = torch.cat(
+        [t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    )
     originals, results = _gather(before), _gather(after)
     for r in range(4):
         source = r - r % 2
@@ -302,9 +312,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Para
 
 
 def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
-    }
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.multirank(4, timeout=240)
@@ -372,8 +380,14 @@ def test_initialize_under_slurm_variables(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
-            env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            env={
+                **env,
+                "SLURM_PROCID": str(r),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

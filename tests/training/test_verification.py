@@ -12,14 +12,13 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
+from training_models import PosCNN
 
 from physicsnemo_shardext import MissingShardPatch
-from physicsnemo_shardext.training.parallel import ParallelLayout, build_layout
 from physicsnemo_shardext.torch_support import compiles_empty_shards
+from physicsnemo_shardext.training.parallel import ParallelLayout, build_layout
 from physicsnemo_shardext.training.verification import TensorError, TrainingReport, relative_error, verify_training
-from training_models import PosCNN
 
 # --------------------------------------------------------------------------- pure parts
 
@@ -99,8 +98,16 @@ def test_training_matches_single_process(rank, case):
     layout = _layout(ddp)
     sizes = [5, 4] if spatial else SIZES[ddp]
     report = verify_training(
-        make_model, _batches(ddp), layout, shard_dim=2, sizes=sizes, wrapper=wrapper,
-        spatial_parameters=spatial, spatial_dim=2, steps=3, optimizer=optimizer,
+        make_model,
+        _batches(ddp),
+        layout,
+        shard_dim=2,
+        sizes=sizes,
+        wrapper=wrapper,
+        spatial_parameters=spatial,
+        spatial_dim=2,
+        steps=3,
+        optimizer=optimizer,
     )
     print(report.format())
     assert report.ok, report.format()
@@ -129,8 +136,9 @@ def test_a_doubled_gradient_is_caught_and_named(rank):
 
 @pytest.mark.multirank(4)
 def test_inference_only(rank):
-    report = verify_training(tiny_cnn, _batches(2), _layout(2), shard_dim=2, sizes=[9, 0], wrapper="none",
-                             steps=2, train=False)
+    report = verify_training(
+        tiny_cnn, _batches(2), _layout(2), shard_dim=2, sizes=[9, 0], wrapper="none", steps=2, train=False
+    )
     assert report.ok, report.format()
     assert set(report.outputs) == {"output (step 0)", "output (step 1)"} and not report.gradients
     assert report.format().startswith("inference check ok")
@@ -149,16 +157,34 @@ def test_bad_arguments(rank):
 
 @pytest.mark.multirank(4)
 def test_autocast_bf16_within_a_bf16_tolerance(rank):
-    report = verify_training(tiny_cnn, _batches(2), _layout(2), shard_dim=2, sizes=[6, 3], wrapper="ddp",
-                             steps=2, autocast_dtype=torch.bfloat16, rtol=3e-2)
+    report = verify_training(
+        tiny_cnn,
+        _batches(2),
+        _layout(2),
+        shard_dim=2,
+        sizes=[6, 3],
+        wrapper="ddp",
+        steps=2,
+        autocast_dtype=torch.bfloat16,
+        rtol=3e-2,
+    )
     print(report.format())
     assert report.ok, report.format()
 
 
 @pytest.mark.multirank(4, timeout=400)
 def test_compiled_training(rank):
-    run = functools.partial(verify_training, tiny_cnn, _batches(1), _layout(1), shard_dim=2, sizes=[3, 2, 4, 0],
-                            wrapper="none", steps=2, compile=True)
+    run = functools.partial(
+        verify_training,
+        tiny_cnn,
+        _batches(1),
+        _layout(1),
+        shard_dim=2,
+        sizes=[3, 2, 4, 0],
+        wrapper="none",
+        steps=2,
+        compile=True,
+    )
     if not compiles_empty_shards():  # torch 2.13: refused on every rank, where compiling hung the others
         with pytest.raises(MissingShardPatch, match=r"shard sizes \[3, 2, 4, 0\].*use torch>=2.14"):
             run()

@@ -13,8 +13,17 @@ def fno() -> nn.Module:
     """PhysicsNeMo's FNO, small: every op has a shard patch, so it matches."""
     from physicsnemo.models.fno import FNO
 
-    return FNO(in_channels=3, out_channels=2, decoder_layers=1, decoder_layer_size=16, dimension=2,
-               latent_channels=8, num_fno_layers=2, num_fno_modes=6, padding=0)
+    return FNO(
+        in_channels=3,
+        out_channels=2,
+        decoder_layers=1,
+        decoder_layer_size=16,
+        dimension=2,
+        latent_channels=8,
+        num_fno_layers=2,
+        num_fno_modes=6,
+        padding=0,
+    )
 
 
 class ConvThen(nn.Module):
