@@ -1,4 +1,13 @@
-"""Import graph of physicsnemo_shardext (+ patches as physicsnemo_shardext.patches): modules, units, floors, upward imports."""
+"""The size of the package's import graph: modules, units, floors, upward imports and import loops.
+
+Usage: ``python .ci/import_graph.py .`` (the repository root; ``patches/`` counts as
+``physicsnemo_shardext.patches``). Every ``import`` and ``from ... import`` is an edge,
+function-local ones included; ``from pkg import submodule`` goes to the submodule. A
+*unit* is a top-level module or a whole subpackage (a wing counts as one); a *floor*
+is a unit's height above what it imports (the longest chain down); an *upward import*
+closes a loop between units, and the loops are printed. The largest modules close
+the report. CONTRIBUTING.md says when to run it (a change that moves modules).
+"""
 
 import ast
 import collections

@@ -20,6 +20,7 @@ Refused (``MissingShardPatch``): FIGConvNet's radius search (``radius_search_war
 plain tensors (data parallel); its grids are not split here.
 
 Examples:
+    >>> import torch
     >>> def search(points, queries, radius):
     ...     return points.shape[0]
     >>> guarded = refusing_distributed(search, "warp_neighbor_search.radius_search_warp")
@@ -59,6 +60,7 @@ def refusing_distributed(original: Callable[..., Any], name: str) -> Callable[..
     """``original``, refusing ShardTensor/DTensor arguments with ``MissingShardPatch`` naming ``name``.
 
     Examples:
+        >>> import torch
         >>> guarded = refusing_distributed(lambda points: points.sum(), "search")
         >>> float(guarded(torch.ones(3)))
         3.0

@@ -331,6 +331,17 @@ def test_example_plugin_reads_no_spec_and_calls_no_raw_collective(path):
     )
 
 
+def test_the_scaffold_template_reads_no_spec_and_calls_no_raw_collective(tmp_path):
+    # What `shardext new` writes is the first patch many authors see: it teaches the same vocabulary.
+    from physicsnemo_shardext.tools.scaffold import write_plugin
+
+    write_plugin("shardext-vocabulary-probe", tmp_path / "probe")
+    written = sorted((tmp_path / "probe").rglob("*.py"))
+    assert any(path.name == "patches.py" for path in written)
+    found = [f"{path.relative_to(tmp_path)}: {where}" for path in written for where in _past_the_vocabulary(path)]
+    assert not found, f"the plugin template reaches past the handler vocabulary at {'; '.join(found)}"
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_states_the_physicsnemo_versions_it_relies_on(name):
     # One range for every family (patches/__init__.py); a family with more needs declares its own.

@@ -8,7 +8,8 @@ answer without it (the console script starts from the top-level module
 * `inventory`: what ``list`` and ``doctor`` report;
 * `scaffold` and ``plugin-template/``: what ``shardext new`` writes;
 * `verify_command`, `model_check`, `op_trace`, `verify_html`: ``shardext verify`` a model against single-process;
-* `json_schemas`: the schemas of every ``--json`` output.
+* `json_schemas`: the schemas of every ``--json`` output;
+* `progress`: the one progress bar (``shardext verify`` and the benchmark runner).
 
 Examples:
     >>> from physicsnemo_shardext.tools.cli import build_parser

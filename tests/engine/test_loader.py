@@ -780,7 +780,8 @@ def test_deferred_plugin_loading_inside_another_plugins_import_is_not_blamed_on_
     assert handler_of_cummax() == "deferred"  # the importer's rollback kept it
 
 
-def test_late_builtins_are_neither_blamed_nor_rolled_back(site, fresh_registry, monkeypatch):
+def test_late_builtins_are_neither_blamed_nor_rolled_back(registry_snapshot, site, fresh_registry, monkeypatch):
+    # registry_snapshot (set up first, restored last) puts back the slot this late built-in took
     from physicsnemo_shardext.engine import baseline
 
     def late_handler(func, types, args, kwargs):
