@@ -38,8 +38,8 @@ Examples:
 from __future__ import annotations
 
 import atexit
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from physicsnemo.domain_parallel import ShardTensor
@@ -105,6 +105,12 @@ class _Wrap(torch.autograd.Function):
         return _FROM_LOCAL_BACKWARD(ctx, grad)[0], None
 
 
+# Bound once, typed loosely: Function.apply is untyped before torch 2.14, and typing.cast would be
+# two more calls on the hot path of every handler.
+_wrap_apply: Callable[..., Any] = _Wrap.apply
+_local_view_apply: Callable[..., Any] = _LocalView.apply
+
+
 def wrap_gradient(local: torch.Tensor, spec: Any) -> ShardTensor:
     """A gradient's local block as a ShardTensor with ``spec``, for the inside of a ``backward``.
 
@@ -123,7 +129,8 @@ def wrap_gradient(local: torch.Tensor, spec: Any) -> ShardTensor:
         (2, 1)
     """
     if builds_graph(local):
-        return cast(ShardTensor, cast(Any, _Wrap).apply(local, spec))  # Function.apply: untyped before torch 2.14
+        wrapped: ShardTensor = _wrap_apply(local, spec)
+        return wrapped
     return ShardTensor(materialized(local), spec, requires_grad=local.requires_grad)
 
 
@@ -138,11 +145,14 @@ def local_of(x: Any) -> torch.Tensor:
         >>> tuple(x.grad.to_local().shape) == ((4, 2), (2, 2))[rank]
         True
     """
+    local: torch.Tensor
     if type(x) is not ShardTensor:
-        return cast(torch.Tensor, x.to_local())
-    if not (x.requires_grad and torch.is_grad_enabled()):
-        return cast(torch.Tensor, x._local_tensor)
-    return cast(torch.Tensor, cast(Any, _LocalView).apply(x))  # Function.apply: untyped before torch 2.14
+        local = x.to_local()
+    elif not (x.requires_grad and torch.is_grad_enabled()):
+        local = x._local_tensor
+    else:
+        local = _local_view_apply(x)
+    return local
 
 
 def _frozen(sharding_shapes: Mapping[int, Sequence[Sequence[int]]]) -> tuple[Any, ...]:
@@ -169,8 +179,8 @@ def wrap_local(
         >>> tuple(y.shape), y._spec.sharding_shapes()[0]
         ((17, 3), ((10, 3), (7, 3)))
     """
-    spec = _spec_for(local, mesh, tuple(placements), sharding_shapes)
-    return cast(ShardTensor, cast(Any, _Wrap).apply(local, spec))  # Function.apply: untyped before torch 2.14
+    wrapped: ShardTensor = _wrap_apply(local, _spec_for(local, mesh, tuple(placements), sharding_shapes))
+    return wrapped
 
 
 def _spec_for(

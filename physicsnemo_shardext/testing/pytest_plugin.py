@@ -56,7 +56,12 @@ from typing import Any
 
 import pytest
 
-from physicsnemo_shardext.testing.isolation import DEFAULT_SEED, rank_test_environment, registry_sandbox_context
+from physicsnemo_shardext.testing.isolation import (
+    DEFAULT_SEED,
+    RANK_TASK_ENVIRONMENT,
+    rank_test_environment,
+    registry_sandbox_context,
+)
 from physicsnemo_shardext.testing.placeholders import RankValue, build
 
 __all__ = [
@@ -248,7 +253,7 @@ def _run_on_pool(item: pytest.Function, controller: MultirankController, marker:
         kwargs_blob=pickle.dumps(kwargs),
         sys_path=tuple(sys.path),
         seed=seed,
-        environment="physicsnemo_shardext.testing.isolation:rank_task_environment",
+        environment=RANK_TASK_ENVIRONMENT,
     )
     try:
         outcome = controller.pool(marker_world_size(marker)).run(task, controller.timeout_for(marker))

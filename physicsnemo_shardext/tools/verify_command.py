@@ -218,6 +218,7 @@ def _run_pool(
 
     from physicsnemo_shardext.ranks.worker import RankTask
     from physicsnemo_shardext.ranks.worker_pool import WorkerPool
+    from physicsnemo_shardext.testing.isolation import RANK_TASK_ENVIRONMENT  # sandbox, seeding, fixtures
 
     report_path = workdir / "report.json"
     task = RankTask(
@@ -228,7 +229,7 @@ def _run_pool(
         kwargs_blob=pickle.dumps({"config": config, "report_path": str(report_path)}),
         sys_path=(os.getcwd(),),
         seed=config.seed,
-        environment="physicsnemo_shardext.testing.isolation:rank_task_environment",
+        environment=RANK_TASK_ENVIRONMENT,
     )
     pool = WorkerPool(config.ranks, startup_timeout_s=max(120.0, config.ranks * 60.0), grace_s=15.0)
     bar = ProgressBar(sys.stderr, enabled=show_progress)
