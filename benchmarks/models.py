@@ -1,4 +1,4 @@
-"""Whole models: one training step of PhysicsNeMo's FNO, UNet and Pix2Pix and timm's ViT, plain and sharded.
+"""Whole models: one training step of PhysicsNeMo's FNO, UNet, Pix2Pix and SongUNet and timm's ViT, plain and sharded.
 
 `build_model` builds a model and its full input at ``--model-res``;
 `measure_model` measures one forward+backward: its peak memory at once, and its
@@ -25,7 +25,23 @@ from measure import cotangent_like
 
 __all__ = ["MODELS", "ModelResult", "Timer", "build_model", "measure_model"]
 
-MODELS = ("fno", "unet", "pix2pix", "vit")
+MODELS = ("fno", "unet", "pix2pix", "songunet", "vit")
+
+
+class _Labelled(torch.nn.Module):
+    """A diffusion UNet called as ``model(x, noise_labels)``, the labels a plain (replicated) tensor, not a buffer.
+
+    ``distribute_module`` leaves the labels alone (a buffer would become a Replicate DTensor), as
+    ``examples/model_zoo.py`` passes them: plain, beside the sharded image.
+    """
+
+    def __init__(self, model: torch.nn.Module, noise_labels: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.noise_labels = noise_labels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, self.noise_labels.to(x.device))
 
 
 @dataclass
@@ -80,6 +96,27 @@ def build_model(name: str, res: int) -> tuple[torch.nn.Module, torch.Tensor, str
             padding_type="reflect",
         )
         return model, randn(1, 1, res, res), "Pix2Pix 2-D, 32 channels, 2 down/up, 2 blocks, BatchNorm, reflect"
+    if name == "songunet":
+        from physicsnemo.models.diffusion_unets import SongUNet
+
+        # examples/model_zoo.py's sharded configuration, one level deeper: attention at the lowest
+        # resolution (res/8) and in the bottleneck; 16 channels (x1, 2, 2, 2), one block per level
+        model = SongUNet(
+            img_resolution=res,
+            in_channels=2,
+            out_channels=2,
+            model_channels=16,
+            channel_mult=[1, 2, 2, 2],
+            num_blocks=1,
+            attn_resolutions=[res // 8],
+            dropout=0.0,
+            embedding_type="positional",
+        )
+        return (
+            _Labelled(model, randn(1, seed=3)),
+            randn(1, 2, res, res),
+            f"SongUNet, 16 channels x1,2,2,2, 1 block/level, attention at {res // 8}x{res // 8} + bottleneck",
+        )
     if name == "vit":
         from timm.models.vision_transformer import VisionTransformer
 

@@ -6,7 +6,9 @@ timers run after every memory measurement; rank 0 gathers every rank's rows
 and writes them to ``args.world_out``. `measure` runs the worlds and builds the
 report: spawned through ``_common.launch`` (a world of 1 for the models'
 baseline, then for each ``--ranks`` count a probe world, ``probes.py``, and the
-measured world), or, under ``torchrun``, the one world this process belongs to.
+measured world, then a world of one rank for the wrapper's own cost,
+``wrapper_cost.py``), or, under ``torchrun``, the one world this process belongs
+to (no wrapper case there: it needs a world of its own).
 
 Progress: rank 0 counts the finished tasks (one family, or one model, at one
 rank count) and hands them to the one progress bar
@@ -35,6 +37,7 @@ from measure import measure_case
 from models import ModelResult, Timer, measure_model
 from probes import run_probes
 from report import build_report
+from wrapper_cost import run_wrapper_world
 
 from physicsnemo_shardext.tools.progress import ProgressBar, ProgressFeed, bar_text, write_record
 
@@ -183,6 +186,7 @@ def measure(args: argparse.Namespace) -> dict:
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     bar = ProgressBar(sys.stderr, enabled=rank == 0 and not args.no_progress)
     draw = _drawer(bar)
+    wrapper = None
     with tempfile.TemporaryDirectory(prefix="shardext-bench-") as tmp:
         if torchrun:
             args.world_out = str(Path(tmp) / "world.json") if rank == 0 else os.devnull
@@ -198,6 +202,7 @@ def measure(args: argparse.Namespace) -> dict:
             plan = ([1] if args.model_list else []) + args.rank_list
             tasks = {n: len(args.model_list) + (len(args.family_list) if n > 1 else 0) for n in plan}
             args.single_models, args.progress_total, done, worlds = False, sum(tasks.values()), 0, []
+            args.progress_total += getattr(args, "wrapper", "none") != "none"
             args.progress_file = str(Path(tmp) / "progress")
             feed = ProgressFeed(args.progress_file, draw)
             for n in plan:
@@ -207,5 +212,12 @@ def measure(args: argparse.Namespace) -> dict:
                 launch(run_world, args, n, progress=feed)
                 done += tasks[n]
                 worlds.append(json.loads(Path(args.world_out).read_text()))
+            if getattr(args, "wrapper", "none") != "none":
+                args.world_out = str(Path(tmp) / "wrapper.json")
+                draw(f"1-rank mesh: {args.wrapper} (wrapper cost)", done, args.progress_total)
+                launch(run_wrapper_world, args, 1)
+                done += 1
+                draw(f"1-rank mesh: {args.wrapper} (wrapper cost)", done, args.progress_total)
+                wrapper = json.loads(Path(args.world_out).read_text())
         bar.close()
-    return build_report(args, worlds)
+    return build_report(args, worlds, wrapper)

@@ -9,10 +9,15 @@ even the global shape), refuses even kernels and most transposed
 convolutions, and raises ``IndexError`` on a mesh with a replicated mesh dim
 (e.g. ``("ddp", "domain")`` with placements ``[Replicate(), Shard(2)]``).
 
-This patch overrides it. It delegates to the built-in exactly where that is
-right (stride 1, odd kernel, symmetric "same" padding, every mesh dim a
-``Shard``, every shard at least a halo wide) and otherwise works per sharded
-spatial dim, from global indices:
+This patch overrides it. A convolution sharded along **one** spatial dim (the
+common case) runs without a haloed copy of the block (`strip_conv` in ``physicsnemo_shardext.primitives``): the
+block is convolved as it is and only the few output rows next to its edges are
+corrected with the halo rows, so per-rank memory is the block's and the output's,
+as for a plain convolution of the block. Elsewhere (several sharded spatial dims,
+autocast, a geometry the strips cannot start on) it delegates to the built-in
+exactly where that is right (stride 1, odd kernel, symmetric "same" padding, every
+mesh dim a ``Shard``, every shard at least a halo wide) and otherwise works per
+sharded spatial dim, from global indices:
 
 1. **Output rows per rank.** Output row ``o`` goes to the rank that holds the
    input row under its receptive field's *centre*: ``o*s - pad_left +
@@ -91,6 +96,7 @@ from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - t
 from physicsnemo_shardext.primitives import (
     DimLayout,
     bind_arguments,
+    conv_strip_geometry,
     delegate,
     describe_target,
     eager_handler,
@@ -105,6 +111,7 @@ from physicsnemo_shardext.primitives import (
     replicated_local,
     sharded_dims,
     sharding_mesh_dims,
+    strip_conv,
     sum_grad_over,
     tie_to_graph,
 )
@@ -332,7 +339,8 @@ def sharded_conv(
     if 1 in layouts:
         raise MissingShardPatch(f"{op}: input sharded along the channel dim ({placements}) is not supported")
     spatial = {d: layout for d, layout in layouts.items() if d >= 2}
-    if spatial and _can_delegate(x, layouts, weight, stride, dilation, pads, transposed):
+    strips = not transposed and dtype is None and _strips_apply(spatial, pads)
+    if not strips and spatial and _can_delegate(x, layouts, weight, stride, dilation, pads, transposed):
         builtin = builtin_handler(func)
         if builtin is not None:
             return builtin(func, types, args, kwargs)
@@ -342,6 +350,8 @@ def sharded_conv(
     weight = sum_grad_over(weight, mesh_of(x), mesh_dims)
     if bias is not None:
         bias = sum_grad_over(bias, mesh_of(x), mesh_dims)
+    if strips:
+        return _strip_path(func, x, spatial, weight, bias, stride, dilation, pads, groups, global_shape)
 
     local = local_of(x)
     new_sizes: dict[int, list[int]] = {}
@@ -374,6 +384,51 @@ def sharded_conv(
     else:
         out = _local_conv(func, local, weight, bias, stride, pads, groups, dilation, adjust)
     assert list(out.shape) == shape, f"{op}: local result {tuple(out.shape)} != planned {tuple(shape)}"
+    return from_local_like(out, x, sizes_by_tensor_dim=new_sizes)
+
+
+def _strips_apply(spatial: dict[int, DimLayout], pads: list[tuple[int, int]]) -> bool:
+    """Can the halo-strip path run: one sharded spatial dim, symmetric padding on the others?"""
+    if len(spatial) != 1:
+        return False  # several sharded dims: the general path fetches them one after another (corners)
+    (d,) = spatial
+    return all(left == right for i, (left, right) in enumerate(pads) if i + 2 != d)
+
+
+def _strip_path(func, x, spatial, weight, bias, stride, dilation, pads, groups, global_shape) -> ShardTensor:
+    """One sharded dim: fetch only the halo rows; interior from the block, edges from strips (`strip_conv`)."""
+    ((d, layout),) = spatial.items()
+    i = d - 2
+    k = weight.shape[d]
+    plan = conv_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_shape[d])
+    geometries = [
+        conv_strip_geometry(layout.sizes, c, plan.out_starts, k, stride[i], dilation[i], pads[i][0])
+        for c in range(layout.parts)
+    ]
+    # A coordinate whose bands do not fit its block fetches all its rows, as the general path does.
+    wanted = [g.halo_rows if g is not None else plan.rows[c] for c, g in enumerate(geometries)]
+    local = local_of(x)
+    fetched = gather_global_indices(local, layout, wanted)
+    me = layout.coord
+    new_sizes = {d: plan.out_sizes()}
+    shape = list(global_shape)
+    shape[0] = local.shape[0]
+    shape[d] = new_sizes[d][me]
+    g = geometries[me]
+    padding = [left for left, _ in pads]
+    if shape[d] == 0 or local.shape[0] == 0:
+        out = tie_to_graph(local.new_zeros(shape), fetched, local, weight, bias)
+        if bias is not None:
+            out = out + bias.view([1, -1] + [1] * (weight.ndim - 2))
+    elif g is None:
+        out = _local_conv(
+            func, fetched, weight, bias, stride, pads, groups, dilation, {d: (plan.before[me], plan.after[me])}
+        )
+    else:
+        out = strip_conv(func, local, fetched, weight, bias, g, d, stride, padding, dilation, groups)
+    assert list(out.shape) == shape, (
+        f"{describe_target(func)}: local result {tuple(out.shape)} != planned {tuple(shape)}"
+    )
     return from_local_like(out, x, sizes_by_tensor_dim=new_sizes)
 
 

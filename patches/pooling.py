@@ -80,6 +80,7 @@ from physicsnemo_shardext import PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
+    PoolStrips,
     bind_arguments,
     connected_zeros,
     delegate,
@@ -94,9 +95,11 @@ from physicsnemo_shardext.primitives import (
     meta_output_shape,
     min_over,
     placements_of,
+    pool_strip_geometry,
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
+    strip_max_pool,
     sum_to_replicated,
 )
 
@@ -369,7 +372,19 @@ def pool_handler(
         lo, hi, _, _ = window(axis.dim - first, *ranges_by_dim[axis.dim][coord])
         return lo, hi
 
-    win = _fetch(local_of(x), axes, rows_wanted)
+    strips = _strip_plan(x, cfg, axes, ranges_by_dim, is_max and not return_indices)
+    if strips is None:
+        win = _fetch(local_of(x), axes, rows_wanted)
+    else:
+        axis, geometries = strips
+        # A coordinate without strips fetches its whole window, as the general path does.
+        wanted = [g.halo_rows if g is not None else range(*rows_wanted(axis, c)) for c, g in enumerate(geometries)]
+        fetched = gather_global_indices(local_of(x), axis.layout, wanted)
+        g = geometries[axis.layout.coord]
+        if g is not None and local_of(x).shape[0] > 0:
+            values = strip_max_pool(local_of(x), fetched, g, axis.dim, cfg.kernel, cfg.stride, cfg.padding)
+            return from_local_like(values, x, sizes_by_tensor_dim={axis.dim: axis.out_sizes})
+        win = _fetch(fetched, [ax for ax in axes if ax.layout is None], rows_wanted)
     out_shape = tuple(win.shape[:first]) + tuple(ax.out_local for ax in axes)
     pads = [window(i, ax.j0, ax.j1)[2:] for i, ax in enumerate(axes)]
 
@@ -397,6 +412,26 @@ def pool_handler(
     if return_indices:
         return result, from_local_like(indices, x, sizes_by_tensor_dim=sizes)
     return result
+
+
+def _strip_plan(
+    x: ShardTensor, cfg: _PoolConfig, axes: Sequence[_Axis], ranges_by_dim: dict, max_values_only: bool
+) -> tuple[_Axis, list[PoolStrips | None]] | None:
+    """The sharded axis and every coordinate's strips, where a max pool can run without a haloed copy."""
+    sharded = [ax for ax in axes if ax.layout is not None]
+    if not max_values_only or cfg.ceil_mode or cfg.n not in (2, 3) or x.ndim != cfg.n + 2 or len(sharded) != 1:
+        return None
+    if any(dil != 1 for dil in cfg.dilation):
+        return None
+    (axis,) = sharded
+    i = axis.dim - 2
+    layout = axis.layout
+    assert layout is not None
+    geometries = [
+        pool_strip_geometry(layout.sizes, c, ranges_by_dim[axis.dim][c], cfg.kernel[i], cfg.stride[i], cfg.padding[i])
+        for c in range(layout.parts)
+    ]
+    return axis, geometries
 
 
 def _avg_divisor(x: ShardTensor, cfg: _PoolConfig, axes: Sequence[_Axis], a: dict, like: torch.Tensor) -> Any:

@@ -19,7 +19,9 @@ wrong with ``align_corners=True`` and crashes with ``size=``.
   (the user's ``scale_factor`` included), the row goes to the rank holding its
   left source row, and that rank fetches the neighbours it lacks (linear: at
   most one row per boundary; bicubic: 1 left, 2 right; nearest: none) and interpolates.
-  Unsharded dims are resized by ``F.interpolate`` on the local block. ``area`` is
+  Unsharded dims are resized by ``F.interpolate``. Both are done a chunk of output rows
+  at a time, straight from the block and the halo rows, so the output is the one
+  block-sized buffer (its backward likewise forms only the block's gradient). ``area`` is
   adaptive average pooling and goes through ``F.adaptive_avg_pool{1,2,3}d``.
 
 Delegated (`delegate`), checked on 2 ranks
@@ -71,9 +73,11 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +96,7 @@ from physicsnemo_shardext.primitives import (
     from_local_like,
     gather_global_indices,
     is_partial,
+    linear_backward,
     local_of,
     meta_output_shape,
     require_shard_input,
@@ -299,13 +304,45 @@ def _taps(
     return torch.stack([i0, i1], 1), torch.stack([w0, w1], 1)
 
 
+class _Chunk(NamedTuple):
+    """A run of this rank's output rows and the window rows it reads, in the pieces that hold them."""
+
+    start: int  # first output row (local)
+    rows: int
+    pieces: tuple[tuple[bool, int, int], ...]  # (from the halo, else the local block; first row; rows)
+    taps: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]  # (index into the pieces' rows, weight) per tap
+
+
 class _DimPlan(NamedTuple):
     """What one sharded dim's resampling needs besides the data; the same every step for one layer."""
 
     copies: bool  # every output row is its source row (weight 1): a plain copy
     ranges: list[tuple[int, int]]  # output rows of each coordinate
-    wanted: list[range]  # input rows each coordinate fetches
-    taps: list[tuple[torch.Tensor, torch.Tensor | None]]  # this rank's (index into its window, weight) per tap
+    halo: list[list[int]]  # global rows each coordinate fetches (those of its window it does not hold)
+    chunks: tuple[_Chunk, ...]  # this rank's output rows, a few at a time
+    returned: list[list[int]]  # per coordinate: the positions, among all halos, of the rows it owns ...
+    targets: torch.Tensor  # ... and, for this rank, the local row each of them is added into
+
+
+#: Output rows are formed this many bytes (or 1/`_CHUNKS` of the rows) at a time: the temporaries of
+#: the taps, the weights and the other resized dims stay that small; only the output is block-sized.
+_CHUNK_BYTES = 1 << 17
+_CHUNKS = 32
+
+
+def _window_pieces(first: int, stop: int, n_left: int, own: tuple[int, int]) -> tuple[tuple[bool, int, int], ...]:
+    """Window positions ``[first, stop)`` as pieces of the halo (left rows, then right) and the local block."""
+    own_start, own_rows = own
+    pieces = []
+    for lo, hi, in_halo, shift in (
+        (0, n_left, True, 0),
+        (n_left, n_left + own_rows, False, own_start - n_left),
+        (n_left + own_rows, stop, True, -own_rows),
+    ):
+        a, b = max(first, lo), min(stop, hi)
+        if a < b:
+            pieces.append((in_halo, a + shift, b - a))
+    return tuple(pieces)
 
 
 @functools.lru_cache(maxsize=256)
@@ -321,6 +358,7 @@ def _dim_plan(
     d: int,
     ndim: int,
     device: torch.device,
+    chunk_rows: int,
 ) -> _DimPlan:
     layout = DimLayout(tensor_dim=d, mesh_dim=0, sizes=sizes, coord=coord, mesh=None)
     rows, weights = _taps(mode, layout.total, out_size, scale, align_corners, dtype, spatial_dims)
@@ -331,22 +369,140 @@ def _dim_plan(
     ranges = split_rows_by_owner(layout, anchor.tolist())
     low, high = rows.min(1).values.tolist(), rows.max(1).values.tolist()
     wanted = [range(min(low[j0:j1]), max(high[j0:j1]) + 1) if j1 > j0 else range(0) for j0, j1 in ranges]
+    owned = [range(layout.offsets[c], layout.offsets[c] + sizes[c]) for c in range(layout.parts)]
+    halo = [[r for r in w if r not in o] for w, o in zip(wanted, owned)]
+    # The adjoint of the halo exchange: every halo row's gradient goes back to the row's owner.
+    where = [(c, p, r) for c, rows_c in enumerate(halo) for p, r in enumerate(rows_c)]
+    firsts = [sum(len(h) for h in halo[:c]) for c in range(layout.parts)]
+    returned = [[firsts[c] + p for c, p, r in where if layout.owner_of(r) == o] for o in range(layout.parts)]
+    targets = [r - layout.offsets[coord] for c, p, r in where if layout.owner_of(r) == coord]
     j0, j1 = ranges[coord]
-    base = wanted[coord].start if j1 > j0 else 0
-    shape = [1] * ndim
-    shape[d] = j1 - j0
-    taps = [
-        ((rows[j0:j1, k] - base).to(device), None if mode in _NEAREST else weights[j0:j1, k].reshape(shape).to(device))
-        for k in range(rows.shape[1])
-    ]
-    return _DimPlan(copies, ranges, wanted, taps)
+    window = wanted[coord]
+    n_left = sum(1 for r in halo[coord] if r < layout.offsets[coord])
+    own_rows = len(window) - len(halo[coord])
+    own = (window.start + n_left - layout.offsets[coord] if own_rows else 0, own_rows)
+    index = rows[j0:j1] - (window.start if j1 > j0 else 0)
+    chunks = []
+    for a in range(0, j1 - j0, chunk_rows):
+        n = min(chunk_rows, j1 - j0 - a)
+        first, last = int(index[a : a + n].min()), int(index[a : a + n].max())
+        shape = [1] * ndim
+        shape[d] = n
+        taps = tuple(
+            (
+                (index[a : a + n, k] - first).to(device),
+                None if mode in _NEAREST else weights[j0 + a : j0 + a + n, k].reshape(shape).to(device),
+            )
+            for k in range(rows.shape[1])
+        )
+        chunks.append(_Chunk(a, n, _window_pieces(first, last + 1, n_left, own), taps))
+    return _DimPlan(
+        copies, ranges, halo, tuple(chunks), returned, torch.tensor(targets, dtype=torch.long, device=device)
+    )
+
+
+Resize = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _read(pieces: tuple[tuple[bool, int, int], ...], halo: torch.Tensor, local: torch.Tensor, d: int) -> torch.Tensor:
+    """The window rows of one chunk: a view of the local block, or a small concatenation with halo rows."""
+    parts = [(halo if in_halo else local).narrow(d, first, rows) for in_halo, first, rows in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, d)
+
+
+def _resample_rows(
+    local: torch.Tensor, layout: DimLayout, plan: _DimPlan, out_shape: list[int], rest: Resize | None
+) -> torch.Tensor:
+    """This rank's output rows along the sharded dim (then the other resized dims, ``rest``), chunk by chunk.
+
+    Only the halo rows are fetched, and each chunk's temporaries are chunk-sized: the output is
+    the one block-sized buffer. Linear in ``local``; `_return_rows` is its adjoint.
+    """
+    d = layout.tensor_dim
+    halo = gather_global_indices(local, layout, plan.halo) if any(plan.halo) else local.narrow(d, 0, 0)
+    out: torch.Tensor | None = None
+    for chunk in plan.chunks if math.prod(out_shape) else ():
+        source = _read(chunk.pieces, halo, local, d)
+        rows: torch.Tensor | None = None
+        for index, weight in chunk.taps:  # the same products and sums as x[i0] * w0 + x[i1] * w1
+            term = source.index_select(d, index)
+            if weight is not None:
+                term.mul_(weight)
+            rows = term if rows is None else rows.add_(term)
+        assert rows is not None
+        if rest is not None:
+            rows = rest(rows)
+        if out is None:
+            out = rows.new_empty(out_shape)
+        out.narrow(d, chunk.start, chunk.rows).copy_(rows)
+    if out is None:  # no output rows here (an empty shard, or all rows owned elsewhere)
+        dtype = local.dtype
+        if rest is not None and local.numel() and math.prod(out_shape):
+            dtype = rest(local.narrow(d, 0, min(1, local.shape[d]))).dtype  # what autocast makes of it
+        out = local.new_empty(out_shape, dtype=dtype)
+    return out
+
+
+def _return_rows(
+    grad: torch.Tensor,
+    layout: DimLayout,
+    plan: _DimPlan,
+    local_shape: torch.Size,
+    local_dtype: torch.dtype,
+    rest: Resize | None,
+) -> torch.Tensor:
+    """The adjoint of `_resample_rows`: the gradient of this rank's block, formed in one block-sized buffer."""
+    d = layout.tensor_dim
+    grad_local = grad.new_zeros(local_shape, dtype=local_dtype)
+    halo_shape = list(local_shape)
+    halo_shape[d] = len(plan.halo[layout.coord])
+    grad_halo = grad.new_zeros(halo_shape, dtype=local_dtype)
+    for chunk in plan.chunks if grad.numel() and grad_local.numel() else ():
+        g = grad.narrow(d, chunk.start, chunk.rows)
+        window_shape = list(local_shape)
+        window_shape[d] = sum(rows for _, _, rows in chunk.pieces)
+        rows_shape = list(window_shape)
+        rows_shape[d] = chunk.rows
+        if rest is not None:
+            g = _resize_adjoint(g, rows_shape, rest).to(local_dtype)
+        window = g.new_zeros(window_shape, dtype=local_dtype)
+        for index, weight in chunk.taps:
+            window.index_add_(d, index, g if weight is None else g * weight)
+        at = 0
+        for in_halo, first, rows in chunk.pieces:
+            (grad_halo if in_halo else grad_local).narrow(d, first, rows).add_(window.narrow(d, at, rows))
+            at += rows
+    if any(plan.halo):
+        # The halo rows' gradients go back to their owners (the halos, seen as one sharded dim).
+        halos = dataclasses.replace(layout, sizes=tuple(len(h) for h in plan.halo))
+        grad_local.index_add_(d, plan.targets, gather_global_indices(grad_halo, halos, plan.returned))
+    return grad_local
+
+
+def _resize_adjoint(grad: torch.Tensor, shape: list[int], rest: Resize) -> torch.Tensor:
+    """The gradient of ``rest`` (PyTorch's own interpolate over the other dims) at a block of ``shape``."""
+    with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
+        probe = grad.new_zeros(shape).requires_grad_(True)
+        (result,) = torch.autograd.grad(rest(probe), probe, grad)
+    return result
 
 
 def _resample_dim(
-    local: torch.Tensor, layout: DimLayout, mode: str, out_size: int, scale: float | None, align_corners: bool
+    local: torch.Tensor,
+    layout: DimLayout,
+    mode: str,
+    out_size: int,
+    scale: float | None,
+    align_corners: bool,
+    rest: tuple[Resize, list[int]] | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Interpolate along one sharded dim; returns the local result and the output rows per coordinate."""
+    """Interpolate along one sharded dim (then ``rest``: the other dims and their sizes); returns the local
+    result and the output rows per coordinate."""
     d = layout.tensor_dim
+    final = local.shape if rest is None else rest[1]
+    row_bytes = local.element_size() * math.prod(s for k, s in enumerate(final) if k != d)
+    rows_here = -(-out_size // max(layout.parts, 1))  # about this rank's output rows
+    chunk_rows = max(1, -(-rows_here // _CHUNKS), _CHUNK_BYTES // max(row_bytes, 1))
     plan = _dim_plan(
         mode,
         tuple(layout.sizes),
@@ -359,6 +515,7 @@ def _resample_dim(
         d,
         local.ndim,
         local.device,
+        chunk_rows,
     )
     if mode in ("nearest", "bicubic") and out_size == layout.total and not plan.copies:
         # PyTorch's nearest (1-D/3-D) and bicubic kernels move rows here, but their backward
@@ -369,13 +526,16 @@ def _resample_dim(
             "backward disagree; PhysicsNeMo's built-in is wrong or fails here on uneven or empty shards); pass "
             "size= or scale_factor=1.0 for that dim"
         )
-    window = gather_global_indices(local, layout, plan.wanted)
-    out = None
-    for index, weight in plan.taps:
-        term = window.index_select(d, index)
-        if weight is not None:
-            term = term * weight
-        out = term if out is None else out + term
+    j0, j1 = plan.ranges[layout.coord]
+    out_shape = list(local.shape) if rest is None else list(rest[1])
+    out_shape[d] = j1 - j0
+    resize = None if rest is None else rest[0]
+    shape, dtype = local.shape, local.dtype
+    out = linear_backward(
+        local,
+        lambda t: _resample_rows(t, layout, plan, out_shape, resize),
+        lambda g: _return_rows(g, layout, plan, shape, dtype, resize),
+    )
     return out, [b - a for a, b in plan.ranges]
 
 
@@ -421,24 +581,25 @@ def interpolate_handler(
     align = bool(a["align_corners"]) if mode in _LINEAR | {"bicubic"} else False
 
     local = local_of(x)
-    sizes: dict[int, list[int]] = {}
-    for d, layout in sorted(spatial.items()):
-        local, sizes[d] = _resample_dim(local, layout, mode, out_shape[d], scales[d - 2], align)
-    rest = [d for d in range(2, x.ndim) if d not in spatial]
-    if rest:
-        final_shape = list(local.shape)
-        for d in rest:
-            final_shape[d] = out_shape[d]
-        if local.numel() == 0:
-            local = connected_zeros(local, final_shape)
+    rest_dims = [d for d in range(2, x.ndim) if d not in spatial]
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        # Sharded dims are already resized: ask for an unchanged size there (PyTorch then copies rows).
+        local_kwargs: dict[str, Any] = {"mode": mode, "align_corners": a["align_corners"]}
+        if use_scale:
+            local_kwargs["scale_factor"] = [1.0 if d in spatial else scales[d - 2] for d in range(2, x.ndim)]
         else:
-            # Sharded dims are already resized: ask for an unchanged size there (PyTorch then copies rows).
-            local_kwargs = {"mode": mode, "align_corners": a["align_corners"]}
-            if use_scale:
-                local_kwargs["scale_factor"] = [1.0 if d in spatial else scales[d - 2] for d in range(2, x.ndim)]
-            else:
-                local_kwargs["size"] = [local.shape[d] if d in spatial else out_shape[d] for d in range(2, x.ndim)]
-            local = func(local, **local_kwargs)
+            local_kwargs["size"] = [t.shape[d] if d in spatial else out_shape[d] for d in range(2, x.ndim)]
+        return cast(torch.Tensor, func(t, **local_kwargs))
+
+    sizes: dict[int, list[int]] = {}
+    order = sorted(spatial.items())
+    for i, (d, layout) in enumerate(order):
+        rest = None
+        if rest_dims and i == len(order) - 1:
+            # The other resized dims go with the last sharded one, a few output rows at a time.
+            rest = (resize, [out_shape[k] if k in rest_dims else local.shape[k] for k in range(x.ndim)])
+        local, sizes[d] = _resample_dim(local, layout, mode, out_shape[d], scales[d - 2], align, rest)
     return from_local_like(local, x, sizes_by_tensor_dim=sizes)
 
 

@@ -8,8 +8,9 @@ shard sizes, and only per-rank statistics cross ranks:
 * **softmax / log_softmax / softmin** along a sharded dim: the global max of each
   row (``all_reduce(MAX)``, no gradient needed: softmax does not depend on the
   shift) and the global sum of ``exp(x - max)`` (``all_reduce(SUM)``, autograd-aware,
-  so the backward is one more ``all_reduce`` of the same size). Along an
-  unsharded dim: purely local.
+  so the backward is one more ``all_reduce`` of the same size). One autograd Function
+  that saves only its output and works in place (one block-sized buffer forward and
+  backward); its backward is differentiable again. Along an unsharded dim: purely local.
 * **cumsum** along a sharded dim: the local cumsum plus the exclusive prefix of
   the per-rank totals (one ``all_gather`` of a single row per rank; the backward
   all-gathers the gradient of that row: the prefix of rank ``r`` feeds every
@@ -53,7 +54,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -103,8 +104,8 @@ def _softmax_dim_legacy(ndim: int) -> int:
     return 0 if ndim in (0, 1, 3) else 1
 
 
-def _global_row_max(local: torch.Tensor, layout: DimLayout) -> torch.Tensor:
-    """Max over the sharded dim across all ranks (no gradient: softmax is shift-invariant)."""
+def _global_row_max(local: torch.Tensor, layout: DimLayout, negate: bool = False) -> torch.Tensor:
+    """Max over the sharded dim across all ranks (no gradient: softmax is shift-invariant); of ``-local`` if ``negate``."""
     dim = layout.tensor_dim
     with torch.no_grad():
         if local.shape[dim] == 0:
@@ -112,19 +113,78 @@ def _global_row_max(local: torch.Tensor, layout: DimLayout) -> torch.Tensor:
             shape[dim] = 1
             row_max = local.new_full(shape, float("-inf"))
         else:
-            row_max = local.amax(dim, keepdim=True)
+            row_max = local.amin(dim, keepdim=True).neg_() if negate else local.amax(dim, keepdim=True)
         row_max = max_over(row_max, layout.mesh, [layout.mesh_dim])
     # A row whose every entry is -inf keeps max -inf: exp(x - max) is then nan, as in torch.
     return row_max
 
 
-def _sharded_log_softmax_local(local: torch.Tensor, layout: DimLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (x - max, log(sum exp(x - max))) for this rank's block, the sum taken over all ranks."""
-    shifted = local - _global_row_max(local, layout)
-    local_sum = shifted.exp().sum(layout.tensor_dim, keepdim=True)
-    # Every rank's rows read the total: the gradient of each rank's summand is the summed gradient.
-    total = all_reduce_sum(local_sum, layout.mesh, [layout.mesh_dim])
-    return shifted, total.log()
+class _ShardedSoftmax(torch.autograd.Function):
+    """softmax / log_softmax (of ``-x`` for softmin) along a sharded dim; saves only its output.
+
+    Forward: the global row max (``max_over``, no gradient: it cancels), ``exp(x - max)``
+    written into the output buffer in place, the global sum (one all-reduce), one
+    in-place divide (softmax) or subtract of its log (log_softmax). Backward, from the
+    output ``y`` alone: ``dx = y * (dy - S(sum(dy * y)))`` (softmax) or
+    ``dx = dy - exp(y) * S(sum(dy))`` (log_softmax), ``S`` the sum over ranks
+    (`all_reduce_sum`, so a backward under ``create_graph=True`` differentiates again),
+    formed in one block-sized buffer in place when no graph is being built.
+    bf16/fp16 inputs are computed in float32 (as torch's kernels) and rounded once.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, layout: DimLayout, log: bool, negate: bool, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        dim = layout.tensor_dim
+        work_dtype = torch.float32 if local.dtype in (torch.bfloat16, torch.float16) else local.dtype
+        # max(-x) = -min(x): softmin needs no negated copy of the block.
+        row_max = _global_row_max(local, layout, negate).to(work_dtype)
+        if negate:
+            out = torch.neg(local.to(work_dtype)) if local.dtype != work_dtype else torch.neg(local)
+            out.sub_(row_max)
+        else:
+            out = torch.sub(local, row_max) if local.dtype == work_dtype else local.to(work_dtype).sub_(row_max)
+        if log:
+            total = out.exp().sum(dim, keepdim=True)  # one transient block: log_softmax keeps x - max
+            out.sub_(all_reduce_sum(total, layout.mesh, [layout.mesh_dim]).log_())
+        else:
+            out.exp_()
+            out.div_(all_reduce_sum(out.sum(dim, keepdim=True), layout.mesh, [layout.mesh_dim]))
+        out = out.to(out_dtype)
+        ctx.layout, ctx.log, ctx.negate, ctx.in_dtype = layout, log, negate, local.dtype
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        (y,) = ctx.saved_tensors
+        layout: DimLayout = ctx.layout
+        dim, mesh, mesh_dims = layout.tensor_dim, layout.mesh, [layout.mesh_dim]
+        work_dtype = torch.float32 if y.dtype in (torch.bfloat16, torch.float16) else y.dtype
+        if torch.is_grad_enabled():
+            # create_graph=True: out-of-place, differentiable ops (y is this Function's output: its own
+            # gradient flows back through this backward again) and the autograd-aware sum over ranks.
+            yw, gw = y.to(work_dtype), grad.to(work_dtype)
+            if ctx.log:
+                dx = gw - yw.exp() * all_reduce_sum(gw.sum(dim, keepdim=True), mesh, mesh_dims)
+            else:
+                dx = yw * (gw - all_reduce_sum((gw * yw).sum(dim, keepdim=True), mesh, mesh_dims))
+            if ctx.negate:
+                dx = -dx
+        else:
+            # Plain backward: one block-sized buffer, everything else in place.
+            if ctx.log:
+                dx = y.to(work_dtype, copy=True).exp_()
+                dx.mul_(all_reduce_sum(grad.sum(dim, keepdim=True, dtype=work_dtype), mesh, mesh_dims).neg_())
+                dx.add_(grad)
+            else:
+                dx = grad.to(work_dtype, copy=True).mul_(y)
+                total = all_reduce_sum(dx.sum(dim, keepdim=True), mesh, mesh_dims)
+                dx.copy_(grad).sub_(total).mul_(y)  # y * (dy - sum(dy * y)), as torch's kernel
+            if ctx.negate:
+                dx.neg_()
+        return dx.to(ctx.in_dtype), None, None, None, None
 
 
 SOFTMAX_TARGETS: dict[Callable[..., Any], tuple[str, Callable[..., Any]]] = {
@@ -169,23 +229,20 @@ def sharded_softmax(
     local = local_of(x)
     if bound["dtype"] is not None:
         local = local.to(bound["dtype"])  # torch casts before the op
-    if kind == "softmin":
-        local = -local
     layout = dim_layout(x, dim)
     if layout is not None and not (local.is_floating_point() or local.is_complex()):
         raise MissingShardPatch(
             f"{describe_target(func)}: {kind} of a {local.dtype} tensor (torch has no kernel for it); pass dtype="
         )
     if layout is None:
+        if kind == "softmin":
+            local = -local
         out = (torch.log_softmax if kind == "log_softmax" else torch.softmax)(local, dim)
     else:
-        # torch's kernels compute bf16/fp16 (e.g. autocast activations) in float32, rounding once.
-        work = local.float() if local.dtype in (torch.bfloat16, torch.float16) else local
-        shifted, log_total = _sharded_log_softmax_local(work, layout)
-        out = shifted - log_total if kind == "log_softmax" else (shifted - log_total).exp()
         # CUDA autocast runs softmax in float32 and returns float32 when no dtype is given.
         aten_op = "aten::log_softmax.int" if kind == "log_softmax" else "aten::softmax.int"
-        out = out.to(local.dtype if bound["dtype"] is not None else output_dtype_under_autocast(aten_op, local))
+        out_dtype = local.dtype if bound["dtype"] is not None else output_dtype_under_autocast(aten_op, local)
+        out = cast(Any, _ShardedSoftmax).apply(local, layout, kind == "log_softmax", kind == "softmin", out_dtype)
     return from_local_like(out, x)
 
 

@@ -126,7 +126,17 @@ def test_runner_reports_every_ratio_and_the_exact_conv_halo_on_2_ranks(tmp_path)
     assert "[2/2] 2 ranks: pointwise done" in result.stderr  # progress on stderr (one line per task off a tty)
     report = json.loads(report_file.read_text())
     assert report["schema"] == 1 and report["config"]["size"] == [1, 2, 16, 8] and report["config"]["ranks"] == [2]
-    assert set(report["goals"]) == {"bytes", "bytes_exchange", "fallback_at_4_ranks", "memory_slack"}
+    assert set(report["goals"]) == {
+        "bytes",
+        "bytes_exchange",
+        "fallback_at_4_ranks",
+        "memory_slack",
+        "model_memory_slack",
+        "wrapper",
+    }
+    # a small field: the memory goal is 1/N + 25% (1/N + 10% only at the large size), stated in the header
+    assert report["config"]["size_class"] == "small" and report["goals"]["memory_slack"] == 0.25
+    assert "| goal 1/N+25% |" in result.stdout and report["wrapper"] is None  # --models none: no wrapper case
     cases = {c["family"]: c for c in report["families"]}
     assert set(cases) == {"convolution", "pointwise"} and report["models"] == []
     for case in cases.values():
@@ -137,7 +147,7 @@ def test_runner_reports_every_ratio_and_the_exact_conv_halo_on_2_ranks(tmp_path)
         assert isinstance(case["fallback"]["ratio"], float) and case["fallback"]["status"] == "ok", case
         assert set(case["goals"]) == {"bytes", "fallback", "memory"}
         assert case["goals"]["fallback"] is None  # the 5x goal is stated at 4 ranks
-        assert len(case["memory"]["peak_mib"]) == 2 and case["memory"]["goal"] == pytest.approx(0.6)
+        assert len(case["memory"]["peak_mib"]) == 2 and case["memory"]["goal"] == pytest.approx(0.75)
         assert case["max_error"] < 1e-5  # output and every gradient match single-process
     # The analytic halo of Conv2d(2, 2, 3, stride=2, padding=1) on H = 16 split 8 + 8: output row o reads
     # input rows 2o-1..2o+1; rank 1's first output row (4) reads rows 7, 8, 9, so one row (7) crosses from
@@ -178,3 +188,61 @@ def test_pytest_startup_benchmark_compares_with_and_without_the_plugin(tmp_path)
     assert re.search(r"^goal \(at most \+0\.3 s and \+20 MiB\): (met|not met)$", result.stdout, re.M)
     # Not a timing test; memory is steady, though: torch alone would add hundreds of MiB.
     assert report["overhead"]["mib"] <= 20, report
+
+
+def test_runner_size_presets_and_goals():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import report as runner_report
+        import run
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    small, large = run.parse_args([]), run.parse_args(["--size", "large"])
+    assert small.size == [1, 16, 256, 256] and small.model_res == 256 and small.wrapper == "fno"
+    assert large.size == [1, 16, 1024, 1024] and large.model_res == 1024
+    assert run.parse_args(["--size", "large3d", "--models", "none"]).size == [1, 16, 128, 128, 128]
+    assert run.parse_args(["--models", "none"]).wrapper == "none"
+    assert runner_report.memory_slack(large.size) == 0.10 and runner_report.memory_slack(small.size) == 0.25
+    assert runner_report.memory_slack([1, 16, 128, 128, 128]) == 0.10
+    assert runner_report.model_memory_slack(1024) == 0.10 and runner_report.model_memory_slack(256) == 0.25
+    assert "songunet" in run.MODELS
+
+
+def test_largest_field_quick_mode_gives_a_sane_table(tmp_path):
+    # fno at 1 and 2 ranks, budgets 6 and 12 MiB, sides 32 and 64 only: every trial a fresh world
+    report_file, plot = tmp_path / "lf.json", tmp_path / "lf"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "largest_field.py"),
+            "--quick",
+            "--json",
+            str(report_file),
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    report = json.loads(report_file.read_text())
+    rows = {(r["budget_mib"], r["ranks"]): r for r in report["results"]}
+    assert set(rows) == {(6.0, 1), (6.0, 2), (12.0, 1), (12.0, 2)}
+    for (budget, ranks), r in rows.items():
+        ours = r["shardext"]
+        assert ours["side"] is not None and ours["side"] % 32 == 0 and ours["peak_mib"] <= budget, r
+        assert r["ideal"] == pytest.approx(rows[(budget, 1)]["shardext"]["side"] * ranks**0.5)
+        assert f"| fno | {budget:g} MiB | {ranks} |" in result.stdout
+        if ranks == 1:  # both variants are the plain model at 1 rank
+            assert r["physicsnemo"] == ours
+        else:  # PhysicsNeMo alone: a side, or why not
+            assert r["physicsnemo"]["side"] is not None or r["physicsnemo"]["status"].startswith("fails: ")
+    for ranks in (1, 2):  # a larger budget never gives a smaller field
+        assert rows[(12.0, ranks)]["shardext"]["side"] >= rows[(6.0, ranks)]["shardext"]["side"]
+    for budget in (6.0, 12.0):  # sharding never makes the largest field smaller
+        assert rows[(budget, 2)]["shardext"]["side"] >= rows[(budget, 1)]["shardext"]["side"]
+    for t in report["trials"]:  # every trial's peak grows with the side (same model, ranks, variant)
+        assert t["status"] == "ok" or t["status"].startswith("fails: ")
+    assert (tmp_path / "lf.svg").read_text().lstrip().startswith("<?xml")

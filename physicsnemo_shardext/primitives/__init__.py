@@ -58,6 +58,7 @@ from physicsnemo_shardext.primitives.checks import (
     require_shard_input,
 )
 from physicsnemo_shardext.primitives.compilation import delegate_when_traced, eager_handler, is_tracing, refuse_tracing
+from physicsnemo_shardext.primitives.conv_strips import ConvStrips, conv_strip_geometry, strip_conv
 from physicsnemo_shardext.primitives.delegation import delegate, fallback
 from physicsnemo_shardext.primitives.gathering import all_gather_rows
 from physicsnemo_shardext.primitives.graph import connected_zeros, tie_to_graph
@@ -84,6 +85,7 @@ from physicsnemo_shardext.primitives.layout import (
     split_rows_by_owner,
 )
 from physicsnemo_shardext.primitives.meta import meta_output_shape
+from physicsnemo_shardext.primitives.pool_strips import PoolStrips, pool_strip_geometry, strip_max_pool
 from physicsnemo_shardext.primitives.precision import autocast_float32, output_dtype_under_autocast
 from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.reductions import (
@@ -115,6 +117,12 @@ from physicsnemo_shardext.primitives.wrapping import local_of, wrap_gradient, wr
 from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
+    "ConvStrips",
+    "PoolStrips",
+    "conv_strip_geometry",
+    "pool_strip_geometry",
+    "strip_conv",
+    "strip_max_pool",
     "align_shard",
     "aligned_split_sizes",
     "all_gather_rows",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,3 +260,76 @@ def test_partial_input_is_delegated_values_and_gradients(domain_mesh, rank, name
     # torch 2.13's fallback sums a pixel (un)shuffle's terms first; from 2.14 the Partial(sum) stays.
     summed_first = name.startswith("pixel") and torch_in("<2.14")
     check_delegation(fn, full, domain_mesh, rank, "resampling", (Replicate(),) if summed_first else (Partial(),))
+
+
+CHUNKED = {
+    "bilinear-x2": dict(scale_factor=2, mode="bilinear"),
+    "bilinear-align-size-down": dict(size=(7, 11), mode="bilinear", align_corners=True),
+    "bicubic-size": dict(size=(23, 5), mode="bicubic"),
+    "nearest-exact-1.5": dict(scale_factor=1.5, mode="nearest-exact"),
+}
+
+
+def _one_row_chunks() -> Any:
+    """Form the output one row at a time (every chunk boundary, halo piece and tap split exercised)."""
+    from physicsnemo_shardext.patches import resampling
+
+    saved = resampling._CHUNK_BYTES, resampling._CHUNKS
+    resampling._CHUNK_BYTES, resampling._CHUNKS = 0, 10**9
+    return resampling, saved
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(CHUNKED))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1], [0, 17]], ids=["uneven", "tiny", "empty"])
+def test_interpolate_in_row_chunks_with_second_order(domain_mesh, name, split):
+    kwargs = CHUNKED[name]
+    full = torch.randn(2, 3, 17, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def terms(x: Any) -> list[Any]:
+        y = F.interpolate(x * x, **kwargs)
+        (g,) = torch.autograd.grad(torch.sin(y).sum(), x, create_graph=True)
+        (g2,) = torch.autograd.grad((g * g).sum(), x)
+        return [y, g, g2]
+
+    expected = terms(full.clone().requires_grad_(True))
+    module, saved = _one_row_chunks()
+    try:
+        check_conformance(lambda t: F.interpolate(t, **kwargs), [full], ShardSpec(domain_mesh, [Shard(2)], split))
+        got = terms(shard_tensor(full, domain_mesh, [Shard(2)], split, requires_grad=True))
+    finally:
+        module._CHUNK_BYTES, module._CHUNKS = saved
+    for what, a, e in zip(("output", "gradient", "second-order gradient"), got, expected):
+        torch.testing.assert_close(a.full_tensor(), e, rtol=1e-9, atol=1e-11, msg=what)
+
+
+@pytest.mark.multirank(4)
+def test_interpolate_in_row_chunks_on_four_ranks_and_2d_mesh(domain_mesh):
+    module, saved = _one_row_chunks()
+    try:
+        x = torch.randn(1, 4, 17, 5, dtype=torch.float64)
+        for split in ([1, 8, 0, 8], [15, 1, 0, 1]):
+            spec = ShardSpec(domain_mesh, [Shard(2)], split)
+            check_conformance(
+                lambda t: F.interpolate(t, scale_factor=1.7, mode="bicubic", align_corners=True), [x], spec
+            )
+            check_conformance(lambda t: F.interpolate(t, size=(6, 9), mode="bilinear"), [x], spec)
+    finally:
+        module._CHUNK_BYTES, module._CHUNKS = saved
+
+
+@pytest.mark.multirank(2)
+def test_interpolate_saves_no_block_sized_tensor(domain_mesh):
+    # The output rows are formed from the block and its halo rows in chunks: the backward needs no data.
+    x = shard_tensor(torch.randn(1, 4, 32, 16), domain_mesh, [Shard(2)], [17, 15], requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = F.interpolate(x, scale_factor=2, mode="bilinear")
+    assert sum(t.numel() for t in saved) < x.to_local().numel() // 8, [tuple(t.shape) for t in saved]
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad.full_tensor(), torch.full((1, 4, 32, 16), 4.0))

@@ -200,3 +200,56 @@ def test_partial_input_is_delegated_to_the_fallback(domain_mesh, rank, name):
     fn, placements = PARTIAL_CASES[name]
     full = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     check_delegation(fn, full, domain_mesh, rank, "softmax_cumsum", placements)
+
+
+FUSED = {
+    "softmax": lambda t: F.softmax(t, dim=2),
+    "log_softmax": lambda t: torch.log_softmax(t, 2),
+    "softmin": lambda t: F.softmin(t, 2),
+    "softmax-dtype": lambda t: t.softmax(2, dtype=torch.float32),
+}
+
+
+def _penalty_terms(fn, x):
+    """Output, first-order gradient (create_graph=True) and the gradient of a loss on it."""
+    y = fn(x)
+    (g,) = torch.autograd.grad(torch.sin(y).sum(), x, create_graph=True)
+    (g2,) = torch.autograd.grad((g * g).sum() + (torch.cos(y) * g).sum(), x)
+    return y, g, g2
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("split", [[10, 7], [16, 1], [0, 17]], ids=["uneven", "tiny", "empty"])
+def test_fused_softmax_values_gradients_and_second_order(domain_mesh, name, split):
+    # The one autograd Function: its value, its gradient and the gradient of that gradient on uneven shards.
+    full = torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 3
+    expected = _penalty_terms(FUSED[name], full.clone().requires_grad_(True))
+    x = shard_tensor(full, domain_mesh, [Shard(2)], split, requires_grad=True)
+    got = _penalty_terms(FUSED[name], x)
+    for what, a, e in zip(("output", "gradient", "second-order gradient"), got, expected):
+        assert a._spec.placements == (Shard(2),), what
+        assert [s[2] for s in a._spec.sharding_shapes()[0]] == split, what
+        tol = dict(rtol=1e-5, atol=1e-6) if "dtype" in name else dict(rtol=1e-9, atol=1e-11)  # float32 math
+        torch.testing.assert_close(a.full_tensor(), e, **tol, msg=what)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "softmin"])
+def test_fused_softmax_saves_only_its_output(domain_mesh, name):
+    # Composed of elementwise ops, softmax kept several block-sized intermediates for the backward.
+    x = shard_tensor(torch.randn(SHAPE), domain_mesh, [Shard(2)], [10, 7], requires_grad=True)
+    block = x.to_local()
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = FUSED[name](x)
+    big = [t for t in saved if t.numel() >= block.numel()]
+    assert len(big) == 1 and big[0].dtype == block.dtype, [tuple(t.shape) for t in saved]
+    assert sum(t.numel() * t.element_size() for t in saved) < 1.2 * block.nbytes
+    y.backward(y.detach().clone())  # the saved output is all the backward needs
+    assert x.grad is not None and torch.isfinite(x.grad.to_local()).all()

@@ -1,0 +1,319 @@
+"""A convolution along one sharded dim without a haloed copy of the block.
+
+The general path of the first-party convolution family fetches every input row a rank's output
+rows read, its own included, into one haloed tensor, and convolves that. The
+haloed tensor is a second copy of the block; the convolution saves it for the
+backward, so it lives from the forward to the backward of every layer, and the
+backward builds a haloed gradient before folding it back into the block's.
+
+A convolution is linear in its input, and the haloed input is the block plus the
+halo rows, each zero where the other is. So:
+
+* the **main** convolution runs on the block as it is, with ``q`` zero rows of
+  padding along the sharded dim, ``q`` chosen so that its first output row is this
+  rank's first (``q = block start - field start of the first output row``; for a
+  stride-1 "same" convolution, the caller's own padding). Rows whose field reaches
+  past the block's edges come out as if the neighbours' rows were zero;
+* two small **boundary corrections** add what the halo rows contribute: each is a
+  convolution (no bias) of a strip made of the halo rows and zero rows, a few rows
+  wide, added in place into the first and last output rows.
+
+Nothing block-sized is built besides the output: autograd saves the block itself
+(no copy) and the two strips. Only the halo rows cross ranks (the rows, and the
+single exchange, of the general path). The backward is one autograd Function: the
+main convolution's input gradient is the block's gradient, whole, and the
+corrections' input gradients are the halo rows' (sent back to their owners by the
+exchange). It is built from differentiable ops (``aten.convolution_backward``), so
+second-order gradients work as for a plain convolution.
+
+`conv_strip_geometry` decides per coordinate from global sizes only, so every rank
+agrees on what every other rank fetches. It returns ``None`` (the general path)
+where the main convolution cannot start on this rank's first output row (that
+would need negative padding) or yields too few rows.
+
+Examples:
+    A stride-2, kernel-3 convolution (padding 1) over rows split 10/7 gives output
+    rows 5/4. Rank 1's first output row reads global rows 9..11, so its main
+    convolution pads one row (``q = 1``) and its top correction takes global row 9;
+    its last output row reads rows 15..17, row 17 being the global padding.
+
+    >>> g = conv_strip_geometry(sizes=(10, 7), coord=1, out_starts=(0, 5, 9), k=3, stride=2, dilation=1, pad_left=1)
+    >>> g.q, g.top_halo, g.top_outputs, g.top_fill, g.bottom_outputs, g.bottom_zeros
+    (1, range(9, 10), 1, 2, 0, 0)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ConvStrips", "conv_strip_geometry", "strip_conv"]
+
+
+@dataclass(frozen=True)
+class ConvStrips:
+    """One coordinate's main convolution and boundary corrections, along the sharded dim.
+
+    Attributes:
+        q: zero rows of padding of the main convolution, on both sides of the block.
+        outputs: this coordinate's output rows (the main convolution's first rows).
+        top_zeros: rows of the top strip before the global start (zeros).
+        top_halo: global rows fetched from the ranks before.
+        top_outputs: output rows the top correction adds to (0: no correction).
+        top_fill: zero rows after the top halo in the top strip (the block's rows).
+        bottom_lead: zero rows before the bottom halo in the bottom strip.
+        bottom_halo: global rows fetched from the ranks after.
+        bottom_zeros: rows of the bottom strip past the global end (zeros).
+        bottom_outputs: output rows the bottom correction adds to (the last ones).
+    """
+
+    q: int
+    outputs: int
+    top_zeros: int
+    top_halo: range
+    top_outputs: int
+    top_fill: int
+    bottom_lead: int
+    bottom_halo: range
+    bottom_zeros: int
+    bottom_outputs: int
+
+    @property
+    def halo_rows(self) -> tuple[int, ...]:
+        """The global rows this coordinate fetches: the top halo, then the bottom halo."""
+        return tuple(self.top_halo) + tuple(self.bottom_halo)
+
+
+def conv_strip_geometry(
+    sizes: Sequence[int], coord: int, out_starts: Sequence[int], k: int, stride: int, dilation: int, pad_left: int
+) -> ConvStrips | None:
+    """Coordinate ``coord``'s geometry, or ``None`` where the main convolution cannot produce its rows.
+
+    ``out_starts`` are the output row starts of `conv_row_plan` (the owner of an
+    output row holds the centre of its field).
+
+    Examples:
+        A kernel-2 stride-2 convolution over rows split 3/3: rank 1's first output row
+        reads rows 2..3; starting there would need padding -1.
+
+        >>> conv_strip_geometry((3, 3), 1, (0, 2, 3), k=2, stride=2, dilation=1, pad_left=0) is None
+        True
+    """
+    return _geometry(
+        tuple(int(s) for s in sizes),
+        int(coord),
+        tuple(int(o) for o in out_starts),
+        int(k),
+        int(stride),
+        int(dilation),
+        int(pad_left),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(
+    sizes: tuple[int, ...], coord: int, out_starts: tuple[int, ...], k: int, stride: int, dilation: int, pad_left: int
+) -> ConvStrips | None:
+    total, reach, size = sum(sizes), dilation * (k - 1), sizes[coord]
+    b0 = sum(sizes[:coord])
+    b1 = b0 + size
+    o0, o1 = out_starts[coord], out_starts[coord + 1]
+    outputs = o1 - o0
+    if outputs <= 0 or size == 0:
+        return None  # nothing to compute here, or nothing to compute it from: the general path
+
+    def field_start(o: int) -> int:
+        return o * stride - pad_left
+
+    q = b0 - field_start(o0)
+    main_rows = (size + 2 * q - reach - 1) // stride + 1 if size + 2 * q > reach else 0
+    if q < 0 or main_rows < outputs:
+        return None
+    # Top: outputs whose field starts before the block; only real rows (not the global padding) correct.
+    top_halo = range(max(b0 - q, 0), b0)
+    top_outputs = min(max(0, -(-(b0 + pad_left) // stride) - o0), outputs) if top_halo else 0
+    top_fill = field_start(o0 + top_outputs - 1) + reach - b0 + 1 if top_outputs else 0
+    # Bottom: outputs whose field ends past the block.
+    last = field_start(o1 - 1) + reach
+    bottom_halo = range(b1, min(last, total - 1) + 1)
+    first_bottom = min(max(o0, -(-(b1 + pad_left - reach) // stride)), o1) if bottom_halo else o1
+    return ConvStrips(
+        q=q,
+        outputs=outputs,
+        top_zeros=len(range(b0 - q, min(0, b0))) if top_outputs else 0,
+        top_halo=top_halo if top_outputs else range(b0, b0),
+        top_outputs=top_outputs,
+        top_fill=top_fill,
+        bottom_lead=b1 - field_start(first_bottom) if bottom_halo else 0,
+        bottom_halo=bottom_halo,
+        bottom_zeros=max(0, last - (total - 1)) if bottom_halo else 0,
+        bottom_outputs=o1 - first_bottom,
+    )
+
+
+def _pad_along(t: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
+    """``t`` with ``before``/``after`` zero rows along ``dim``; ``t`` itself when both are 0."""
+    if before == 0 and after == 0:
+        return t
+    flat = [0, 0] * (t.ndim - 1 - dim) + [before, after]
+    return F.pad(t, flat)
+
+
+@dataclass(frozen=True)
+class _ConvArgs:
+    func: Callable[..., torch.Tensor]
+    dim: int
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]  # the main convolution's: q along the sharded dim
+    dilation: tuple[int, ...]
+    groups: int
+
+    @property
+    def strip_padding(self) -> tuple[int, ...]:
+        """The corrections' padding: none along the sharded dim (their strips carry their zeros)."""
+        return tuple(0 if i + 2 == self.dim else p for i, p in enumerate(self.padding))
+
+
+def _strip_input(halo: torch.Tensor, g: ConvStrips, dim: int, top: bool) -> torch.Tensor:
+    """A correction's input: the halo rows and the zero rows standing for the block (and the global padding)."""
+    if top:
+        return _pad_along(halo, dim, g.top_zeros, g.top_fill)
+    return _pad_along(halo, dim, g.bottom_lead, g.bottom_zeros)
+
+
+class _StripConv(torch.autograd.Function):
+    """Main convolution of the block plus the halo corrections; saves the block (no copy) and the halo rows."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        top: torch.Tensor,
+        bottom: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        g: ConvStrips,
+        args: _ConvArgs,
+    ) -> torch.Tensor:
+        ctx.g, ctx.args, ctx.has_bias = g, args, bias is not None
+        ctx.save_for_backward(local, top, bottom, weight)
+        d = args.dim
+        out = args.func(local, weight, bias, args.stride, args.padding, args.dilation, args.groups)
+        if out.shape[d] != g.outputs:  # symmetric padding may give rows past this rank's last
+            out = out.narrow(d, 0, g.outputs).contiguous()
+        for halo, rows, first, is_top in (
+            (top, g.top_outputs, 0, True),
+            (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
+        ):
+            if rows:
+                strip = _strip_input(halo, g, d, is_top)
+                correction = args.func(strip, weight, None, args.stride, args.strip_padding, args.dilation, args.groups)
+                out.narrow(d, first, rows).add_(correction)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        local, top, bottom, weight = ctx.saved_tensors
+        g, args = ctx.g, ctx.args
+        d, n = args.dim, weight.ndim - 2
+        need_input = any(ctx.needs_input_grad[:3])
+        need_weight = ctx.needs_input_grad[3]
+        need_bias = ctx.has_bias and ctx.needs_input_grad[4]
+        convolution_backward = torch.ops.aten.convolution_backward
+
+        main_grad = grad
+        main_rows = (local.shape[d] + 2 * g.q - args.dilation[d - 2] * (weight.shape[d] - 1) - 1) // args.stride[
+            d - 2
+        ] + 1
+        if main_rows != g.outputs:
+            main_grad = _pad_along(grad, d, 0, main_rows - g.outputs)
+        grad_local, grad_weight, grad_bias = convolution_backward(
+            main_grad,
+            local,
+            weight,
+            [weight.shape[0]] if ctx.has_bias else None,
+            args.stride,
+            args.padding,
+            args.dilation,
+            False,
+            [0] * n,
+            args.groups,
+            [need_input, need_weight, need_bias],
+        )
+        halo_grads = []
+        for halo, rows, first, is_top in (
+            (top, g.top_outputs, 0, True),
+            (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
+        ):
+            if not rows:  # no rows: a view of the block's gradient keeps the exchange in a second-order graph
+                halo_grads.append(grad_local.narrow(d, 0, 0) if need_input else None)
+                continue
+            strip = _strip_input(halo, g, d, is_top)
+            strip_grad, strip_weight_grad, _ = convolution_backward(
+                grad.narrow(d, first, rows),
+                strip,
+                weight,
+                None,
+                args.stride,
+                args.strip_padding,
+                args.dilation,
+                False,
+                [0] * n,
+                args.groups,
+                [need_input, need_weight, False],
+            )
+            if need_weight:
+                grad_weight = grad_weight + strip_weight_grad
+            if need_input:
+                offset = g.top_zeros if is_top else g.bottom_lead
+                strip_grad = strip_grad.narrow(d, offset, halo.shape[d])
+            halo_grads.append(strip_grad if need_input else None)
+        return grad_local, halo_grads[0], halo_grads[1], grad_weight, grad_bias, None, None
+
+
+def strip_conv(
+    func: Callable[..., torch.Tensor],
+    local: torch.Tensor,
+    halo: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    g: ConvStrips,
+    dim: int,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """This rank's output rows of ``func`` (``F.conv1d/2d/3d``) from its block and its fetched ``halo`` rows.
+
+    Args:
+        func: the convolution.
+        local: the block.
+        halo: the rows of ``g.halo_rows``, fetched (`gather_global_indices`), along ``dim``.
+        weight, bias: plain tensors (their gradients are this rank's partial sums).
+        g: this coordinate's geometry (`conv_strip_geometry`).
+        dim: the sharded tensor dim.
+        stride, padding, dilation, groups: the convolution's; ``padding[dim - 2]`` is replaced by ``g.q``.
+
+    Examples:
+        One process standing in for rank 1 of the module example: the result equals rows
+        5..8 of the whole convolution.
+
+        >>> full, w = torch.randn(1, 2, 17, 4), torch.randn(3, 2, 3, 3)
+        >>> g = conv_strip_geometry((10, 7), 1, (0, 5, 9), k=3, stride=2, dilation=1, pad_left=1)
+        >>> halo = full[:, :, list(g.halo_rows)]
+        >>> y = strip_conv(F.conv2d, full[:, :, 10:], halo, w, None, g, 2, (2, 2), (1, 1), (1, 1), 1)
+        >>> torch.allclose(y, F.conv2d(full, w, stride=2, padding=1)[:, :, 5:9], atol=1e-6)
+        True
+    """
+    top = halo.narrow(dim, 0, len(g.top_halo))
+    bottom = halo.narrow(dim, len(g.top_halo), len(g.bottom_halo))
+    main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
+    args = _ConvArgs(func, dim, tuple(stride), main_padding, tuple(dilation), int(groups))
+    out: torch.Tensor = _StripConv.apply(local, top, bottom, weight, bias, g, args)
+    return out

@@ -1,0 +1,271 @@
+"""Max pooling along one sharded dim without a haloed copy of the block.
+
+The general path of the first-party pooling family fetches every input row a rank's windows
+read, its own included, pads the global boundary into yet another copy and pools
+that. Here, as for the convolution (`conv_strips`), the block is
+pooled as it is, padded by ``q`` rows so that its first output row is this rank's
+first. The output rows whose window reaches past the block's edges are then
+*replaced* (a maximum is not linear, so they cannot be corrected by addition) by
+the pool of a small strip: the halo rows and the block's edge rows.
+
+Autograd saves the block (no copy), the halo rows and the main pool's indices (as
+a single-process max pool saves its indices). The backward routes the gradient of
+the main rows through the main pool's indices into one block-sized buffer, and
+adds the strips' gradients into its edge rows and into the halo rows (sent back to
+their owners by the exchange). It is built from differentiable ops, so
+second-order gradients work as for a plain max pool.
+
+`pool_strip_geometry` decides per coordinate from global sizes only, so every rank
+agrees on the exchange. It returns ``None`` (the general path) where a strip would
+mix real rows with the global boundary's padding, reach past a narrow block, or
+where the main pool would need more padding than torch allows (``kernel // 2``).
+
+Examples:
+    ``max_pool2d(x, 3, stride=2, padding=1)`` over rows split 10/7 (output rows 5/4):
+    rank 1's main pool pads one row; its first output row's window (rows 9..11)
+    replaces it from halo row 9 and block rows 10..11.
+
+    >>> g = pool_strip_geometry(sizes=(10, 7), coord=1, out_range=(5, 9), kernel=3, stride=2, padding=1)
+    >>> g.q, g.top_halo, g.top_outputs, g.top_edge, g.bottom_outputs
+    (1, range(9, 10), 1, 2, 0)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PoolStrips", "pool_strip_geometry", "strip_max_pool"]
+
+
+@dataclass(frozen=True)
+class PoolStrips:
+    """One coordinate's main pool and replaced edge rows, along the sharded dim.
+
+    Attributes:
+        q: rows of padding of the main pool, on both sides of the block.
+        outputs: this coordinate's output rows (the main pool's first rows).
+        top_halo: global rows fetched from the ranks before.
+        top_outputs: the first output rows, replaced from the top strip.
+        top_edge: the block's first rows in the top strip.
+        bottom_start: the block row the bottom strip starts at.
+        bottom_halo: global rows fetched from the ranks after.
+        bottom_outputs: the last output rows, replaced from the bottom strip.
+    """
+
+    q: int
+    outputs: int
+    top_halo: range
+    top_outputs: int
+    top_edge: int
+    bottom_start: int
+    bottom_halo: range
+    bottom_outputs: int
+
+    @property
+    def halo_rows(self) -> tuple[int, ...]:
+        """The global rows this coordinate fetches: the top halo, then the bottom halo."""
+        return tuple(self.top_halo) + tuple(self.bottom_halo)
+
+
+def pool_strip_geometry(
+    sizes: Sequence[int], coord: int, out_range: tuple[int, int], kernel: int, stride: int, padding: int
+) -> PoolStrips | None:
+    """Coordinate ``coord``'s geometry (output rows ``out_range``), or ``None`` for the general path.
+
+    Examples:
+        A 2-row block under a kernel-5 window: its strips would reach past it.
+
+        >>> pool_strip_geometry((10, 2, 10), 1, (10, 12), kernel=5, stride=1, padding=2) is None
+        True
+    """
+    return _geometry(
+        tuple(int(s) for s in sizes),
+        int(coord),
+        (int(out_range[0]), int(out_range[1])),
+        int(kernel),
+        int(stride),
+        int(padding),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(
+    sizes: tuple[int, ...], coord: int, out_range: tuple[int, int], kernel: int, stride: int, padding: int
+) -> PoolStrips | None:
+    total, size = sum(sizes), sizes[coord]
+    b0 = sum(sizes[:coord])
+    b1 = b0 + size
+    o0, o1 = out_range
+    outputs = o1 - o0
+    if outputs <= 0 or size == 0:
+        return None
+
+    def start(o: int) -> int:
+        return o * stride - padding
+
+    q = b0 - start(o0)
+    main_rows = (size + 2 * q - kernel) // stride + 1 if size + 2 * q >= kernel else 0
+    if q < 0 or q > kernel // 2 or main_rows < outputs:
+        return None
+    if b0 == 0:  # the main pool's padding is the global padding: nothing to replace
+        top_outputs, top_edge = 0, 0
+    else:
+        if b0 - q < 0:
+            return None  # the window mixes rows of earlier ranks with the global padding
+        top_outputs = min(max(0, -(-(b0 + padding) // stride) - o0), outputs)
+        top_edge = start(o0 + top_outputs - 1) + kernel - b0 if top_outputs else 0
+    last = start(o1 - 1) + kernel - 1
+    if b1 == total or last < b1:
+        bottom_outputs, bottom_start = 0, size
+    else:
+        if last > total - 1:
+            return None
+        first = min(max(o0, -(-(b1 + padding - kernel + 1) // stride)), o1)
+        bottom_outputs, bottom_start = o1 - first, start(first) - b0
+    if top_edge > size or bottom_start < 0:
+        return None
+    return PoolStrips(
+        q=q,
+        outputs=outputs,
+        top_halo=range(b0 - q, b0) if top_outputs else range(b0, b0),
+        top_outputs=top_outputs,
+        top_edge=top_edge,
+        bottom_start=bottom_start,
+        bottom_halo=range(b1, last + 1) if bottom_outputs else range(b1, b1),
+        bottom_outputs=bottom_outputs,
+    )
+
+
+_POOLS = {2: torch.ops.aten.max_pool2d_with_indices, 3: torch.ops.aten.max_pool3d_with_indices}
+_POOL_BACKWARDS = {
+    2: torch.ops.aten.max_pool2d_with_indices_backward,
+    3: torch.ops.aten.max_pool3d_with_indices_backward,
+}
+
+
+@dataclass(frozen=True)
+class _PoolArgs:
+    n: int
+    dim: int
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]  # the main pool's: q along the sharded dim
+
+    @property
+    def strip_padding(self) -> list[int]:
+        return [0 if i + 2 == self.dim else p for i, p in enumerate(self.padding)]
+
+    def pool(self, x: torch.Tensor, padding: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = _POOLS[self.n](x, list(self.kernel), list(self.stride), list(padding), [1] * self.n, False)
+        return values, indices
+
+    def pool_backward(
+        self, grad: torch.Tensor, x: torch.Tensor, padding: Sequence[int], indices: torch.Tensor
+    ) -> torch.Tensor:
+        backward = _POOL_BACKWARDS[self.n]
+        grad_input: torch.Tensor = backward(
+            grad, x, list(self.kernel), list(self.stride), list(padding), [1] * self.n, False, indices
+        )
+        return grad_input
+
+
+def _strips(
+    local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, d: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The top and bottom strips (halo rows and the block's edge rows), ``None`` where no row is replaced."""
+    size = local.shape[d]
+    top_strip = torch.cat([top, local.narrow(d, 0, g.top_edge)], d) if g.top_outputs else None
+    bottom_strip = (
+        torch.cat([local.narrow(d, g.bottom_start, size - g.bottom_start), bottom], d) if g.bottom_outputs else None
+    )
+    return top_strip, bottom_strip
+
+
+class _StripMaxPool(torch.autograd.Function):
+    """Main max pool of the block with its edge rows replaced from the strips."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, args: _PoolArgs
+    ) -> torch.Tensor:
+        d = args.dim
+        values, indices = args.pool(local, args.padding)
+        if values.shape[d] != g.outputs:
+            values, indices = values.narrow(d, 0, g.outputs).contiguous(), indices.narrow(d, 0, g.outputs).contiguous()
+        top_strip, bottom_strip = _strips(local, top, bottom, g, d)
+        if top_strip is not None:
+            values.narrow(d, 0, g.top_outputs).copy_(args.pool(top_strip, args.strip_padding)[0])
+        if bottom_strip is not None:
+            values.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).copy_(
+                args.pool(bottom_strip, args.strip_padding)[0]
+            )
+        ctx.g, ctx.args = g, args
+        ctx.save_for_backward(local, top, bottom, indices)
+        return values
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        local, top, bottom, indices = ctx.saved_tensors
+        g, args = ctx.g, ctx.args
+        d = args.dim
+        main_rows = (local.shape[d] + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
+        # The replaced rows take no gradient through the main pool.
+        main_grad = grad.clone()
+        main_grad.narrow(d, 0, g.top_outputs).zero_()
+        main_grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).zero_()
+        if main_rows != g.outputs:
+            main_grad = F.pad(main_grad, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
+            indices = F.pad(indices, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
+        grad_local = args.pool_backward(main_grad, local, args.padding, indices)
+        top_strip, bottom_strip = _strips(local, top, bottom, g, d)
+        size = local.shape[d]
+        grad_top, grad_bottom = grad_local.narrow(d, 0, 0), grad_local.narrow(d, size, 0)
+        if top_strip is not None:
+            strip_indices = args.pool(top_strip.detach(), args.strip_padding)[1]
+            strip_grad = args.pool_backward(
+                grad.narrow(d, 0, g.top_outputs), top_strip, args.strip_padding, strip_indices
+            )
+            grad_top, edge = strip_grad.split([top.shape[d], g.top_edge], d)
+            grad_local.narrow(d, 0, g.top_edge).add_(edge)
+        if bottom_strip is not None:
+            strip_indices = args.pool(bottom_strip.detach(), args.strip_padding)[1]
+            rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
+            strip_grad = args.pool_backward(rows, bottom_strip, args.strip_padding, strip_indices)
+            edge, grad_bottom = strip_grad.split([size - g.bottom_start, bottom.shape[d]], d)
+            grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(edge)
+        return grad_local, grad_top, grad_bottom, None, None
+
+
+def strip_max_pool(
+    local: torch.Tensor,
+    halo: torch.Tensor,
+    g: PoolStrips,
+    dim: int,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+) -> torch.Tensor:
+    """This rank's output rows of a 2-D/3-D max pool (dilation 1, floor mode) from its block and ``halo`` rows.
+
+    Examples:
+        One process standing in for rank 1 of the module example:
+
+        >>> full = torch.randn(1, 2, 17, 4)
+        >>> g = pool_strip_geometry((10, 7), 1, (5, 9), kernel=3, stride=2, padding=1)
+        >>> y = strip_max_pool(full[:, :, 10:], full[:, :, list(g.halo_rows)], g, 2, (3, 3), (2, 2), (1, 1))
+        >>> torch.equal(y, F.max_pool2d(full, 3, stride=2, padding=1)[:, :, 5:9])
+        True
+    """
+    top = halo.narrow(dim, 0, len(g.top_halo))
+    bottom = halo.narrow(dim, len(g.top_halo), len(g.bottom_halo))
+    n = local.ndim - 2
+    main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
+    args = _PoolArgs(n, dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
+    out: torch.Tensor = _StripMaxPool.apply(local, top, bottom, g, args)
+    return out
