@@ -100,6 +100,7 @@ from physicsnemo_shardext.primitives import (
     delegate,
     describe_target,
     eager_handler,
+    exchanging_strip_conv,
     expand_to,
     from_local_like,
     gather_global_indices,
@@ -408,14 +409,25 @@ def _strip_path(func, x, spatial, weight, bias, stride, dilation, pads, groups, 
     # A coordinate whose bands do not fit its block fetches all its rows, as the general path does.
     wanted = [g.halo_rows if g is not None else plan.rows[c] for c, g in enumerate(geometries)]
     local = local_of(x)
-    fetched = gather_global_indices(local, layout, wanted)
     me = layout.coord
+    g = geometries[me]
+    padding = [left for left, _ in pads]
+    if all(geometries) and local.shape[0] > 0:  # every rank: one exchange inside one autograd Function
+        adjust = {d: (plan.before[me], plan.after[me])}
+
+        def haloed(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            rows = gather_global_indices(local, layout, plan.rows)  # the general path, for create_graph
+            return _local_conv(func, rows, weight, bias, stride, pads, groups, dilation, adjust)
+
+        out = exchanging_strip_conv(
+            func, local, layout, wanted, weight, bias, g, stride, padding, dilation, groups, recompute=haloed
+        )
+        return from_local_like(out, x, sizes_by_tensor_dim={d: plan.out_sizes()})
+    fetched = gather_global_indices(local, layout, wanted)
     new_sizes = {d: plan.out_sizes()}
     shape = list(global_shape)
     shape[0] = local.shape[0]
     shape[d] = new_sizes[d][me]
-    g = geometries[me]
-    padding = [left for left, _ in pads]
     if shape[d] == 0 or local.shape[0] == 0:
         out = tie_to_graph(local.new_zeros(shape), fetched, local, weight, bias)
         if bias is not None:

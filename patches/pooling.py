@@ -86,6 +86,7 @@ from physicsnemo_shardext.primitives import (
     delegate,
     describe_target,
     eager_handler,
+    exchanging_strip_max_pool,
     expand_to,
     from_local_like,
     gather_global_indices,
@@ -379,6 +380,20 @@ def pool_handler(
         axis, geometries = strips
         # A coordinate without strips fetches its whole window, as the general path does.
         wanted = [g.halo_rows if g is not None else range(*rows_wanted(axis, c)) for c, g in enumerate(geometries)]
+        if all(geometries) and local_of(x).shape[0] > 0:  # every rank: the exchange inside one autograd Function
+            pads = [window(i, ax.j0, ax.j1)[2:] for i, ax in enumerate(axes)]
+            flat_pads = [v for before, after in reversed(pads) for v in (before, after)]
+
+            def haloed(local: torch.Tensor) -> torch.Tensor:  # the general path, for create_graph
+                rows = _fetch(local, axes, rows_wanted)
+                padded = F.pad(rows, flat_pads, value=float("-inf")) if any(flat_pads) else rows
+                return _LOCAL_MAX[n](padded, cfg.kernel, cfg.stride, 0, cfg.dilation, False)
+
+            g = geometries[axis.layout.coord]
+            assert g is not None
+            kernel, stride_, padding = cfg.kernel, cfg.stride, cfg.padding
+            values = exchanging_strip_max_pool(local_of(x), axis.layout, wanted, g, kernel, stride_, padding, haloed)
+            return from_local_like(values, x, sizes_by_tensor_dim={axis.dim: axis.out_sizes})
         fetched = gather_global_indices(local_of(x), axis.layout, wanted)
         g = geometries[axis.layout.coord]
         if g is not None and local_of(x).shape[0] > 0:

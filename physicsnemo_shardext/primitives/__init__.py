@@ -58,7 +58,12 @@ from physicsnemo_shardext.primitives.checks import (
     require_shard_input,
 )
 from physicsnemo_shardext.primitives.compilation import delegate_when_traced, eager_handler, is_tracing, refuse_tracing
-from physicsnemo_shardext.primitives.conv_strips import ConvStrips, conv_strip_geometry, strip_conv
+from physicsnemo_shardext.primitives.conv_strips import (
+    ConvStrips,
+    conv_strip_geometry,
+    exchanging_strip_conv,
+    strip_conv,
+)
 from physicsnemo_shardext.primitives.delegation import delegate, fallback
 from physicsnemo_shardext.primitives.gathering import all_gather_rows
 from physicsnemo_shardext.primitives.graph import connected_zeros, tie_to_graph
@@ -71,9 +76,11 @@ from physicsnemo_shardext.primitives.higher_order import (
 )
 from physicsnemo_shardext.primitives.index_exchange import (
     ExchangePlan,
+    fetch_rows,
     gather_global_indices,
     halo_indices,
     plan_exchange,
+    return_rows_into,
 )
 from physicsnemo_shardext.primitives.layout import (
     DimLayout,
@@ -85,7 +92,12 @@ from physicsnemo_shardext.primitives.layout import (
     split_rows_by_owner,
 )
 from physicsnemo_shardext.primitives.meta import meta_output_shape
-from physicsnemo_shardext.primitives.pool_strips import PoolStrips, pool_strip_geometry, strip_max_pool
+from physicsnemo_shardext.primitives.pool_strips import (
+    PoolStrips,
+    exchanging_strip_max_pool,
+    pool_strip_geometry,
+    strip_max_pool,
+)
 from physicsnemo_shardext.primitives.precision import autocast_float32, output_dtype_under_autocast
 from physicsnemo_shardext.primitives.profiling import profiled_range
 from physicsnemo_shardext.primitives.reductions import (
@@ -120,6 +132,8 @@ __all__ = [
     "ConvStrips",
     "PoolStrips",
     "conv_strip_geometry",
+    "exchanging_strip_conv",
+    "exchanging_strip_max_pool",
     "pool_strip_geometry",
     "strip_conv",
     "strip_max_pool",
@@ -145,6 +159,7 @@ __all__ = [
     "fallback",
     "from_local_like",
     "gather_full",
+    "fetch_rows",
     "gather_global_indices",
     "halo_indices",
     "has_internal_overlap",
@@ -165,6 +180,7 @@ __all__ = [
     "packed_nbytes",
     "placements_of",
     "plan_exchange",
+    "return_rows_into",
     "profiled_range",
     "refuse_higher_order",
     "refuse_tracing",

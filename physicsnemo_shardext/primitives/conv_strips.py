@@ -52,7 +52,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ConvStrips", "conv_strip_geometry", "strip_conv"]
+from physicsnemo_shardext.primitives.index_exchange import (
+    fetch_rows,
+    gather_global_indices,
+    plan_exchange,
+    return_rows_into,
+)
+from physicsnemo_shardext.primitives.layout import DimLayout
+
+#: ``recompute(local, weight, bias)``: this rank's output rows, differentiable (for ``create_graph``).
+Recompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+__all__ = ["ConvStrips", "conv_strip_geometry", "exchanging_strip_conv", "strip_conv"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,93 @@ def _strip_input(halo: torch.Tensor, g: ConvStrips, dim: int, top: bool) -> torc
     return _pad_along(halo, dim, g.bottom_lead, g.bottom_zeros)
 
 
+def _conv_forward(
+    local: torch.Tensor,
+    top: torch.Tensor,
+    bottom: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    g: ConvStrips,
+    args: _ConvArgs,
+) -> torch.Tensor:
+    """The main convolution of the block, with the halo corrections added in place into its edge rows."""
+    d = args.dim
+    out = args.func(local, weight, bias, args.stride, args.padding, args.dilation, args.groups)
+    if out.shape[d] != g.outputs:  # symmetric padding may give rows past this rank's last
+        out = out.narrow(d, 0, g.outputs).contiguous()
+    for halo, rows, first, is_top in (
+        (top, g.top_outputs, 0, True),
+        (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
+    ):
+        if rows:
+            strip = _strip_input(halo, g, d, is_top)
+            correction = args.func(strip, weight, None, args.stride, args.strip_padding, args.dilation, args.groups)
+            out.narrow(d, first, rows).add_(correction)
+    return out
+
+
+def _conv_backward(
+    grad: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    has_bias: bool,
+    needs: tuple[bool, bool, bool],
+    g: ConvStrips,
+    args: _ConvArgs,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Gradients of the block, the top and bottom halo rows, the weight and the bias (``needs``: input, weight, bias)."""
+    local, top, bottom, weight = saved
+    d, n = args.dim, weight.ndim - 2
+    need_input, need_weight, need_bias = needs
+    convolution_backward = torch.ops.aten.convolution_backward
+    main_grad = grad
+    reach = args.dilation[d - 2] * (weight.shape[d] - 1)
+    main_rows = (local.shape[d] + 2 * g.q - reach - 1) // args.stride[d - 2] + 1
+    if main_rows != g.outputs:
+        main_grad = _pad_along(grad, d, 0, main_rows - g.outputs)
+    grad_local, grad_weight, grad_bias = convolution_backward(
+        main_grad,
+        local,
+        weight,
+        [weight.shape[0]] if has_bias else None,
+        args.stride,
+        args.padding,
+        args.dilation,
+        False,
+        [0] * n,
+        args.groups,
+        [need_input, need_weight, need_bias],
+    )
+    halo_grads = []
+    for halo, rows, first, is_top in (
+        (top, g.top_outputs, 0, True),
+        (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
+    ):
+        if not rows:  # no rows: a view of the block's gradient keeps the exchange in a second-order graph
+            halo_grads.append(grad_local.narrow(d, 0, 0) if need_input else None)
+            continue
+        strip = _strip_input(halo, g, d, is_top)
+        strip_grad, strip_weight_grad, _ = convolution_backward(
+            grad.narrow(d, first, rows),
+            strip,
+            weight,
+            None,
+            args.stride,
+            args.strip_padding,
+            args.dilation,
+            False,
+            [0] * n,
+            args.groups,
+            [need_input, need_weight, False],
+        )
+        if need_weight:
+            grad_weight = grad_weight + strip_weight_grad
+        if need_input:
+            offset = g.top_zeros if is_top else g.bottom_lead
+            strip_grad = strip_grad.narrow(d, offset, halo.shape[d])
+        halo_grads.append(strip_grad if need_input else None)
+    return grad_local, halo_grads[0], halo_grads[1], grad_weight, grad_bias
+
+
 class _StripConv(torch.autograd.Function):
     """Main convolution of the block plus the halo corrections; saves the block (no copy) and the halo rows."""
 
@@ -202,78 +300,74 @@ class _StripConv(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.g, ctx.args, ctx.has_bias = g, args, bias is not None
         ctx.save_for_backward(local, top, bottom, weight)
-        d = args.dim
-        out = args.func(local, weight, bias, args.stride, args.padding, args.dilation, args.groups)
-        if out.shape[d] != g.outputs:  # symmetric padding may give rows past this rank's last
-            out = out.narrow(d, 0, g.outputs).contiguous()
-        for halo, rows, first, is_top in (
-            (top, g.top_outputs, 0, True),
-            (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
-        ):
-            if rows:
-                strip = _strip_input(halo, g, d, is_top)
-                correction = args.func(strip, weight, None, args.stride, args.strip_padding, args.dilation, args.groups)
-                out.narrow(d, first, rows).add_(correction)
-        return out
+        return _conv_forward(local, top, bottom, weight, bias, g, args)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        local, top, bottom, weight = ctx.saved_tensors
-        g, args = ctx.g, ctx.args
-        d, n = args.dim, weight.ndim - 2
-        need_input = any(ctx.needs_input_grad[:3])
-        need_weight = ctx.needs_input_grad[3]
-        need_bias = ctx.has_bias and ctx.needs_input_grad[4]
-        convolution_backward = torch.ops.aten.convolution_backward
+        need = ctx.needs_input_grad
+        needs = (any(need[:3]), need[3], ctx.has_bias and need[4])
+        grads = _conv_backward(grad, ctx.saved_tensors, ctx.has_bias, needs, ctx.g, ctx.args)
+        return (*grads, None, None)
 
-        main_grad = grad
-        main_rows = (local.shape[d] + 2 * g.q - args.dilation[d - 2] * (weight.shape[d] - 1) - 1) // args.stride[
-            d - 2
-        ] + 1
-        if main_rows != g.outputs:
-            main_grad = _pad_along(grad, d, 0, main_rows - g.outputs)
-        grad_local, grad_weight, grad_bias = convolution_backward(
-            main_grad,
-            local,
-            weight,
-            [weight.shape[0]] if ctx.has_bias else None,
-            args.stride,
-            args.padding,
-            args.dilation,
-            False,
-            [0] * n,
-            args.groups,
-            [need_input, need_weight, need_bias],
+
+class _ExchangingStripConv(torch.autograd.Function):
+    """`_StripConv` that fetches the halo rows itself and returns their gradients into the block's gradient.
+
+    Fetching them outside (`gather_global_indices`) would give the block a second gradient,
+    block-sized, and autograd would add the two: two more block-sized buffers at the
+    backward's peak. Under ``create_graph`` the backward recomputes the exchanging
+    forward with autograd (`gather_global_indices` and `_StripConv`) and differentiates
+    that, so second-order gradients work.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        g: ConvStrips,
+        args: _ConvArgs,
+        layout: DimLayout,
+        wanted: tuple[tuple[int, ...], ...],
+        recompute: Recompute | None,
+    ) -> torch.Tensor:
+        plan = plan_exchange(layout, wanted)
+        ctx.recompute = recompute
+        top, bottom = _split_halo(fetch_rows(local, layout, plan), g, args.dim)
+        ctx.g, ctx.args, ctx.has_bias, ctx.layout, ctx.wanted = g, args, bias is not None, layout, wanted
+        ctx.save_for_backward(local, top, bottom, weight, bias)
+        return _conv_forward(local, top, bottom, weight, bias, g, args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        local, top, bottom, weight, bias = ctx.saved_tensors
+        g, args, layout, wanted = ctx.g, ctx.args, ctx.layout, ctx.wanted
+        need = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph: differentiate a recomputation built from differentiable pieces
+            with torch.enable_grad():
+                if ctx.recompute is not None:
+                    out = ctx.recompute(local, weight, bias)
+                else:
+                    halo = gather_global_indices(local, layout, wanted)
+                    top_rows, bottom_rows = _split_halo(halo, g, args.dim)
+                    out = _StripConv.apply(local, top_rows, bottom_rows, weight, bias, g, args)
+            wanted = [t for t, n in zip((local, weight, bias), need[:3]) if n and t is not None]
+            found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
+            grads = [next(found) if n and t is not None else None for t, n in zip((local, weight, bias), need[:3])]
+            return (*grads, None, None, None, None, None)
+        needs = (need[0], need[1], ctx.has_bias and need[2])
+        grad_local, grad_top, grad_bottom, grad_weight, grad_bias = _conv_backward(
+            grad, (local, top, bottom, weight), ctx.has_bias, needs, g, args
         )
-        halo_grads = []
-        for halo, rows, first, is_top in (
-            (top, g.top_outputs, 0, True),
-            (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
-        ):
-            if not rows:  # no rows: a view of the block's gradient keeps the exchange in a second-order graph
-                halo_grads.append(grad_local.narrow(d, 0, 0) if need_input else None)
-                continue
-            strip = _strip_input(halo, g, d, is_top)
-            strip_grad, strip_weight_grad, _ = convolution_backward(
-                grad.narrow(d, first, rows),
-                strip,
-                weight,
-                None,
-                args.stride,
-                args.strip_padding,
-                args.dilation,
-                False,
-                [0] * n,
-                args.groups,
-                [need_input, need_weight, False],
-            )
-            if need_weight:
-                grad_weight = grad_weight + strip_weight_grad
-            if need_input:
-                offset = g.top_zeros if is_top else g.bottom_lead
-                strip_grad = strip_grad.narrow(d, offset, halo.shape[d])
-            halo_grads.append(strip_grad if need_input else None)
-        return grad_local, halo_grads[0], halo_grads[1], grad_weight, grad_bias, None, None
+        if grad_local is not None:
+            halo_grad = torch.cat([grad_top, grad_bottom], args.dim)
+            return_rows_into(grad_local, halo_grad, layout, plan_exchange(layout, wanted))
+        return grad_local, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _split_halo(halo: torch.Tensor, g: ConvStrips, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return halo.narrow(dim, 0, len(g.top_halo)), halo.narrow(dim, len(g.top_halo), len(g.bottom_halo))
 
 
 def strip_conv(
@@ -316,4 +410,56 @@ def strip_conv(
     main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
     args = _ConvArgs(func, dim, tuple(stride), main_padding, tuple(dilation), int(groups))
     out: torch.Tensor = _StripConv.apply(local, top, bottom, weight, bias, g, args)
+    return out
+
+
+def exchanging_strip_conv(
+    func: Callable[..., torch.Tensor],
+    local: torch.Tensor,
+    layout: DimLayout,
+    wanted: Sequence[Sequence[int]],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    g: ConvStrips,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    recompute: Recompute | None = None,
+) -> torch.Tensor:
+    """`strip_conv` that fetches its halo rows itself: the rows ``wanted[c]`` of every coordinate ``c``.
+
+    Every rank along ``layout``'s mesh dim calls it (or `gather_global_indices` with the
+    same ``wanted``): the exchange is a collective. The block then gets one gradient,
+    formed in one buffer: the halo rows' gradients come back from their users and are
+    added into it in place.
+
+    Under ``create_graph`` the backward differentiates a recomputation:
+    ``recompute(local, weight, bias)`` if given, else the strips with
+    `gather_global_indices`. Give one whose autograd graph has the same shape on every
+    rank (e.g. a haloed copy and a plain convolution): the second backward then runs
+    its collectives in the same order everywhere; the strips' graph differs between a
+    rank with corrections and one without.
+
+    Examples:
+        On 2 ranks (``mesh``, ``rank``), rows split 10/7, a stride-2 convolution:
+
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.primitives import dim_layout
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.linspace(-1, 1, 2 * 17 * 4).reshape(1, 2, 17, 4)
+        >>> w = torch.linspace(-1, 1, 54).reshape(3, 2, 3, 3)
+        >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+        >>> gs = [conv_strip_geometry((10, 7), c, (0, 5, 9), k=3, stride=2, dilation=1, pad_left=1) for c in (0, 1)]
+        >>> wanted = [g.halo_rows for g in gs]
+        >>> args = (w, None, gs[rank], (2, 2), (1, 1), (1, 1), 1)
+        >>> y = exchanging_strip_conv(F.conv2d, x.to_local(), dim_layout(x, 2), wanted, *args)
+        >>> rows = [slice(0, 5), slice(5, 9)][rank]
+        >>> torch.allclose(y, F.conv2d(full, w, stride=2, padding=1)[:, :, rows], atol=1e-6)
+        True
+    """
+    main_padding = tuple(g.q if i + 2 == layout.tensor_dim else int(p) for i, p in enumerate(padding))
+    args = _ConvArgs(func, layout.tensor_dim, tuple(stride), main_padding, tuple(dilation), int(groups))
+    frozen = tuple(tuple(int(r) for r in rows) for rows in wanted)
+    out: torch.Tensor = _ExchangingStripConv.apply(local, weight, bias, g, args, layout, frozen, recompute)
     return out

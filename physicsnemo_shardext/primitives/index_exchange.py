@@ -41,7 +41,7 @@ from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout
 from physicsnemo_shardext.primitives.profiling import profiled_range
 
-__all__ = ["ExchangePlan", "gather_global_indices", "halo_indices", "plan_exchange"]
+__all__ = ["ExchangePlan", "fetch_rows", "gather_global_indices", "halo_indices", "plan_exchange", "return_rows_into"]
 
 WantedBy = Callable[[int], Sequence[int]] | Sequence[Sequence[int]]
 
@@ -225,10 +225,10 @@ def _gather_rows_by_plan(rows_first: torch.Tensor, layout: DimLayout, plan: Exch
 
 
 def _return_rows_by_plan(
-    grad_out: torch.Tensor, layout: DimLayout, plan: ExchangePlan, local_rows: int
+    grad_out: torch.Tensor, layout: DimLayout, plan: ExchangePlan, local_rows: int, into: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The adjoint exchange: what was received goes back to its owner, summed into its rows."""
-    grad = grad_out.new_zeros((local_rows,) + tuple(grad_out.shape[1:]))
+    """The adjoint exchange: what was received goes back to its owner, summed into its rows (of ``into``)."""
+    grad = grad_out.new_zeros((local_rows,) + tuple(grad_out.shape[1:])) if into is None else into
     if plan.self_rows:
         _accumulate(grad, plan.self_rows, _take(grad_out, plan.self_positions))
     if plan.crosses:
@@ -293,6 +293,36 @@ def gather_global_indices(local: torch.Tensor, layout: DimLayout, wanted_by: Wan
             rows_first, layout, plan
         )  # Function.apply: untyped before torch 2.14
         return out.movedim(0, layout.tensor_dim)
+
+
+def fetch_rows(local: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> torch.Tensor:
+    """The rows of ``plan`` along ``layout.tensor_dim``, outside autograd (`gather_global_indices` without a graph).
+
+    For an autograd Function that exchanges rows itself and returns their gradients
+    with `return_rows_into`, so that the block's gradient is one buffer.
+
+    Examples:
+        >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3,), coord=0, mesh=None)
+        >>> fetch_rows(torch.arange(3.0), layout, plan_exchange(layout, [[2, 0]])).tolist()
+        [2.0, 0.0]
+    """
+    with torch.no_grad():
+        return _gather_rows_by_plan(local.movedim(layout.tensor_dim, 0), layout, plan).movedim(0, layout.tensor_dim)
+
+
+def return_rows_into(grad_local: torch.Tensor, grad_rows: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> None:
+    """Send the gradient of fetched rows back to their owners, added in place into ``grad_local`` (the adjoint of `fetch_rows`).
+
+    Examples:
+        >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3,), coord=0, mesh=None)
+        >>> grad = torch.zeros(3)
+        >>> return_rows_into(grad, torch.tensor([1.0, 5.0]), layout, plan_exchange(layout, [[2, 2]]))
+        >>> grad.tolist()
+        [0.0, 0.0, 6.0]
+    """
+    d = layout.tensor_dim
+    with torch.no_grad():
+        _return_rows_by_plan(grad_rows.movedim(d, 0), layout, plan, grad_local.shape[d], into=grad_local.movedim(d, 0))
 
 
 def halo_indices(layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False) -> Sequence[int]:

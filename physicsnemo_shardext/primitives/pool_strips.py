@@ -33,14 +33,17 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PoolStrips", "pool_strip_geometry", "strip_max_pool"]
+from physicsnemo_shardext.primitives.index_exchange import fetch_rows, plan_exchange, return_rows_into
+from physicsnemo_shardext.primitives.layout import DimLayout
+
+__all__ = ["PoolStrips", "exchanging_strip_max_pool", "pool_strip_geometry", "strip_max_pool"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,61 @@ def _strips(
     return top_strip, bottom_strip
 
 
+def _pool_forward(
+    local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, args: _PoolArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The main pool of the block with its edge rows replaced from the strips; its values and indices."""
+    d = args.dim
+    values, indices = args.pool(local, args.padding)
+    if values.shape[d] != g.outputs:
+        values, indices = values.narrow(d, 0, g.outputs).contiguous(), indices.narrow(d, 0, g.outputs).contiguous()
+    top_strip, bottom_strip = _strips(local, top, bottom, g, d)
+    if top_strip is not None:
+        values.narrow(d, 0, g.top_outputs).copy_(args.pool(top_strip, args.strip_padding)[0])
+    if bottom_strip is not None:
+        values.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).copy_(
+            args.pool(bottom_strip, args.strip_padding)[0]
+        )
+    return values, indices
+
+
+def _pool_backward(
+    grad: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    g: PoolStrips,
+    args: _PoolArgs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the block and of the top and bottom halo rows."""
+    local, top, bottom, indices = saved
+    d = args.dim
+    main_rows = (local.shape[d] + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
+    # The replaced rows take no gradient through the main pool.
+    main_grad = grad
+    if g.top_outputs or g.bottom_outputs:
+        main_grad = grad.clone()
+        main_grad.narrow(d, 0, g.top_outputs).zero_()
+        main_grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).zero_()
+    if main_rows != g.outputs:
+        main_grad = F.pad(main_grad, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
+        indices = F.pad(indices, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
+    grad_local = args.pool_backward(main_grad, local, args.padding, indices)
+    top_strip, bottom_strip = _strips(local, top, bottom, g, d)
+    size = local.shape[d]
+    grad_top, grad_bottom = grad_local.narrow(d, 0, 0), grad_local.narrow(d, size, 0)
+    if top_strip is not None:
+        strip_indices = args.pool(top_strip.detach(), args.strip_padding)[1]
+        strip_grad = args.pool_backward(grad.narrow(d, 0, g.top_outputs), top_strip, args.strip_padding, strip_indices)
+        grad_top, edge = strip_grad.split([top.shape[d], g.top_edge], d)
+        grad_local.narrow(d, 0, g.top_edge).add_(edge)
+    if bottom_strip is not None:
+        strip_indices = args.pool(bottom_strip.detach(), args.strip_padding)[1]
+        rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
+        strip_grad = args.pool_backward(rows, bottom_strip, args.strip_padding, strip_indices)
+        edge, grad_bottom = strip_grad.split([size - g.bottom_start, bottom.shape[d]], d)
+        grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(edge)
+    return grad_local, grad_top, grad_bottom
+
+
 class _StripMaxPool(torch.autograd.Function):
     """Main max pool of the block with its edge rows replaced from the strips."""
 
@@ -194,52 +252,49 @@ class _StripMaxPool(torch.autograd.Function):
     def forward(
         ctx: Any, local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, args: _PoolArgs
     ) -> torch.Tensor:
-        d = args.dim
-        values, indices = args.pool(local, args.padding)
-        if values.shape[d] != g.outputs:
-            values, indices = values.narrow(d, 0, g.outputs).contiguous(), indices.narrow(d, 0, g.outputs).contiguous()
-        top_strip, bottom_strip = _strips(local, top, bottom, g, d)
-        if top_strip is not None:
-            values.narrow(d, 0, g.top_outputs).copy_(args.pool(top_strip, args.strip_padding)[0])
-        if bottom_strip is not None:
-            values.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).copy_(
-                args.pool(bottom_strip, args.strip_padding)[0]
-            )
+        values, indices = _pool_forward(local, top, bottom, g, args)
         ctx.g, ctx.args = g, args
         ctx.save_for_backward(local, top, bottom, indices)
         return values
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (*_pool_backward(grad, ctx.saved_tensors, ctx.g, ctx.args), None, None)
+
+
+class _ExchangingStripMaxPool(torch.autograd.Function):
+    """`_StripMaxPool` that fetches its halo rows itself (see `exchanging_strip_max_pool`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        g: PoolStrips,
+        args: _PoolArgs,
+        layout: DimLayout,
+        wanted: tuple[tuple[int, ...], ...],
+        recompute: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        halo = fetch_rows(local, layout, plan_exchange(layout, wanted))
+        top = halo.narrow(args.dim, 0, len(g.top_halo))
+        bottom = halo.narrow(args.dim, len(g.top_halo), len(g.bottom_halo))
+        values, indices = _pool_forward(local, top, bottom, g, args)
+        ctx.g, ctx.args, ctx.layout, ctx.wanted, ctx.recompute = g, args, layout, wanted, recompute
+        ctx.save_for_backward(local, top, bottom, indices)
+        return values
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         local, top, bottom, indices = ctx.saved_tensors
-        g, args = ctx.g, ctx.args
-        d = args.dim
-        main_rows = (local.shape[d] + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
-        # The replaced rows take no gradient through the main pool.
-        main_grad = grad.clone()
-        main_grad.narrow(d, 0, g.top_outputs).zero_()
-        main_grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).zero_()
-        if main_rows != g.outputs:
-            main_grad = F.pad(main_grad, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
-            indices = F.pad(indices, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
-        grad_local = args.pool_backward(main_grad, local, args.padding, indices)
-        top_strip, bottom_strip = _strips(local, top, bottom, g, d)
-        size = local.shape[d]
-        grad_top, grad_bottom = grad_local.narrow(d, 0, 0), grad_local.narrow(d, size, 0)
-        if top_strip is not None:
-            strip_indices = args.pool(top_strip.detach(), args.strip_padding)[1]
-            strip_grad = args.pool_backward(
-                grad.narrow(d, 0, g.top_outputs), top_strip, args.strip_padding, strip_indices
-            )
-            grad_top, edge = strip_grad.split([top.shape[d], g.top_edge], d)
-            grad_local.narrow(d, 0, g.top_edge).add_(edge)
-        if bottom_strip is not None:
-            strip_indices = args.pool(bottom_strip.detach(), args.strip_padding)[1]
-            rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
-            strip_grad = args.pool_backward(rows, bottom_strip, args.strip_padding, strip_indices)
-            edge, grad_bottom = strip_grad.split([size - g.bottom_start, bottom.shape[d]], d)
-            grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(edge)
-        return grad_local, grad_top, grad_bottom, None, None
+        if torch.is_grad_enabled():  # create_graph: differentiate the caller's recomputation
+            with torch.enable_grad():
+                out = ctx.recompute(local)
+            (grad_local,) = torch.autograd.grad(out, local, grad, create_graph=True)
+            return grad_local, None, None, None, None, None
+        grad_local, grad_top, grad_bottom = _pool_backward(grad, (local, top, bottom, indices), ctx.g, ctx.args)
+        halo_grad = torch.cat([grad_top, grad_bottom], ctx.args.dim)
+        return_rows_into(grad_local, halo_grad, ctx.layout, plan_exchange(ctx.layout, ctx.wanted))
+        return grad_local, None, None, None, None, None
 
 
 def strip_max_pool(
@@ -268,4 +323,44 @@ def strip_max_pool(
     main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
     args = _PoolArgs(n, dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
     out: torch.Tensor = _StripMaxPool.apply(local, top, bottom, g, args)
+    return out
+
+
+def exchanging_strip_max_pool(
+    local: torch.Tensor,
+    layout: DimLayout,
+    wanted: Sequence[Sequence[int]],
+    g: PoolStrips,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    recompute: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`strip_max_pool` that fetches its halo rows itself: the rows ``wanted[c]`` of every coordinate ``c``.
+
+    A collective along ``layout``'s mesh dim. The block gets one gradient, formed in one
+    buffer (the halo rows' gradients are returned into it in place). Under
+    ``create_graph`` the backward differentiates ``recompute(local)``, this rank's
+    output rows by a path whose autograd graph has the same shape on every rank (the
+    haloed copy of the general path), so that collectives keep their order.
+
+    Examples:
+        On 2 ranks (``mesh``, ``rank``), rows split 10/7:
+
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.primitives import dim_layout
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.linspace(-1, 1, 2 * 17 * 4).reshape(1, 2, 17, 4).sin()
+        >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+        >>> gs = [pool_strip_geometry((10, 7), c, r, kernel=3, stride=2, padding=1) for c, r in ((0, (0, 5)), (1, (5, 9)))]
+        >>> whole = lambda t: F.max_pool2d(t, 3, 2, 1)  # a stand-in: recompute is only run under create_graph
+        >>> y = exchanging_strip_max_pool(x.to_local(), dim_layout(x, 2), [g.halo_rows for g in gs], gs[rank], (3, 3), (2, 2), (1, 1), whole)
+        >>> torch.equal(y, F.max_pool2d(full, 3, stride=2, padding=1)[:, :, [slice(0, 5), slice(5, 9)][rank]])
+        True
+    """
+    n = local.ndim - 2
+    main_padding = tuple(g.q if i + 2 == layout.tensor_dim else int(p) for i, p in enumerate(padding))
+    args = _PoolArgs(n, layout.tensor_dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
+    frozen = tuple(tuple(int(r) for r in rows) for rows in wanted)
+    out: torch.Tensor = _ExchangingStripMaxPool.apply(local, g, args, layout, frozen, recompute)
     return out
