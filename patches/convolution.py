@@ -365,7 +365,7 @@ def sharded_conv(
             plan = conv_transpose_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_shape[d])
         else:
             plan = conv_row_plan(layout.sizes, k, stride[i], dilation[i], pads[i][0], global_shape[d])
-        local = gather_global_indices(local, layout, plan.rows)
+        local = _fetch_plan_rows(local, layout, plan.rows)
         me = layout.coord
         new_sizes[d] = plan.out_sizes()
         empty |= not plan.rows[me] if transposed else new_sizes[d][me] == 0
@@ -386,6 +386,20 @@ def sharded_conv(
         out = _local_conv(func, local, weight, bias, stride, pads, groups, dilation, adjust)
     assert list(out.shape) == shape, f"{op}: local result {tuple(out.shape)} != planned {tuple(shape)}"
     return from_local_like(out, x, sizes_by_tensor_dim=new_sizes)
+
+
+def _fetch_plan_rows(local: torch.Tensor, layout: DimLayout, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The plan's input rows; the block itself, not a copy, where every coordinate reads just its own rows.
+
+    A transposed convolution with ``kernel == stride`` (a UNet's up-sampling) and a
+    1x1 convolution need no halo: no rank would receive a row, so the exchange would
+    only copy the block. The convolution's output is a new tensor either way.
+    """
+    own = all(
+        tuple(rows[c]) == tuple(range(layout.offsets[c], layout.offsets[c] + layout.sizes[c]))
+        for c in range(layout.parts)
+    )
+    return local if own else gather_global_indices(local, layout, rows)
 
 
 def _strips_apply(spatial: dict[int, DimLayout], pads: list[tuple[int, int]]) -> bool:

@@ -159,6 +159,36 @@ def _moments_over(
     return mean, var
 
 
+#: Chunk size of `_dot_over`: small against a block, large enough to keep the loop short.
+_DOT_CHUNK_BYTES = 1 << 20
+
+
+def _dot_over(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int], keepdim: bool = True) -> torch.Tensor:
+    """``(a * b).sum(dims)`` without forming the block-sized product: chunk by chunk along a reduced dim.
+
+    The norms' forward (the centred variance) and backward (``sum(dy * x_hat)``) would
+    otherwise hold one more block for an instant: a third of a rank's peak.
+
+    Examples:
+        >>> a, b = torch.randn(2, 3, 64, 5, dtype=torch.float64), torch.randn(2, 3, 64, 5, dtype=torch.float64)
+        >>> torch.allclose(_dot_over(a, b, (0, 2, 3)), (a * b).sum((0, 2, 3), keepdim=True))
+        True
+    """
+    d = max(dims, key=lambda i: a.shape[i])
+    rows = a.shape[d]
+    row_bytes = a.numel() // max(rows, 1) * a.element_size()
+    step = max(1, _DOT_CHUNK_BYTES // max(row_bytes, 1))
+    if step >= rows:
+        return (a * b).sum(dim=tuple(dims), keepdim=keepdim)
+    total = None
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        part = (a.narrow(d, start, n) * b.narrow(d, start, n)).sum(dim=tuple(dims), keepdim=keepdim)
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return total
+
+
 def _count(x: ShardTensor, dims: Sequence[int]) -> int:
     return math.prod(x.shape[d] for d in dims)
 
@@ -297,7 +327,7 @@ class _BatchNormTrain(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mean = summed_over(local.sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
         centered = local - mean
-        var = summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, mesh_dims) / count
+        var = summed_over(_dot_over(centered, centered, dims), mesh, mesh_dims) / count
         invstd = torch.rsqrt(var + eps)
         y = centered.mul_(invstd)
         if weight is not None:
@@ -323,7 +353,7 @@ class _BatchNormTrain(torch.autograd.Function):
         with profiled_range("shardext.batch_norm.backward"):
             x_hat = (local - mean).mul_(invstd)
             sums = summed_over(
-                torch.stack([grad.sum(dim=dims, keepdim=True), (grad * x_hat).sum(dim=dims, keepdim=True)]),
+                torch.stack([grad.sum(dim=dims, keepdim=True), _dot_over(grad, x_hat, dims)]),
                 mesh,
                 mesh_dims,
             )
@@ -444,7 +474,7 @@ class _GroupNormTrain(torch.autograd.Function):
         dims = tuple(range(2, grouped.dim()))
         mean = summed_over(grouped.sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
         centered = grouped - mean
-        var = summed_over((centered * centered).sum(dim=dims, keepdim=True), mesh, stat_mesh_dims) / count
+        var = summed_over(_dot_over(centered, centered, dims), mesh, stat_mesh_dims) / count
         invstd = torch.rsqrt(var + eps)
         y = centered.mul_(invstd).reshape(local.shape)
         if weight is not None:
@@ -477,7 +507,7 @@ class _GroupNormTrain(torch.autograd.Function):
             # input gradient needs (dz = dy * weight is never formed as a block).
             spatial = tuple(range(2, local.dim()))
             sum_dy = grad.sum(dim=spatial)
-            sum_dy_x_hat = (grad * x_hat.reshape(local.shape)).sum(dim=spatial)
+            sum_dy_x_hat = _dot_over(grad, x_hat.reshape(local.shape), spatial, keepdim=False)
             wants_weight = weight is not None and ctx.needs_input_grad[1]
             wants_bias = bias is not None and ctx.needs_input_grad[2]
             grad_weight = grad_bias = None

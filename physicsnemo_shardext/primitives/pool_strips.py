@@ -234,13 +234,14 @@ def _pool_backward(
     if top_strip is not None:
         strip_indices = args.pool(top_strip.detach(), args.strip_padding)[1]
         strip_grad = args.pool_backward(grad.narrow(d, 0, g.top_outputs), top_strip, args.strip_padding, strip_indices)
-        grad_top, edge = strip_grad.split([top.shape[d], g.top_edge], d)
+        grad_top, edge = strip_grad.narrow(d, 0, top.shape[d]), strip_grad.narrow(d, top.shape[d], g.top_edge)
         grad_local.narrow(d, 0, g.top_edge).add_(edge)
     if bottom_strip is not None:
         strip_indices = args.pool(bottom_strip.detach(), args.strip_padding)[1]
         rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
         strip_grad = args.pool_backward(rows, bottom_strip, args.strip_padding, strip_indices)
-        edge, grad_bottom = strip_grad.split([size - g.bottom_start, bottom.shape[d]], d)
+        edge_rows = size - g.bottom_start
+        edge, grad_bottom = strip_grad.narrow(d, 0, edge_rows), strip_grad.narrow(d, edge_rows, bottom.shape[d])
         grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(edge)
     return grad_local, grad_top, grad_bottom
 
