@@ -81,6 +81,7 @@ from physicsnemo_shardext.primitives.index_exchange import (
     halo_indices,
     plan_exchange,
     return_rows_into,
+    start_fetch_rows,
 )
 from physicsnemo_shardext.primitives.layout import (
     DimLayout,
@@ -181,6 +182,7 @@ __all__ = [
     "placements_of",
     "plan_exchange",
     "return_rows_into",
+    "start_fetch_rows",
     "profiled_range",
     "refuse_higher_order",
     "refuse_tracing",

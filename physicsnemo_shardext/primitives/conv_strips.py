@@ -53,10 +53,10 @@ import torch
 import torch.nn.functional as F
 
 from physicsnemo_shardext.primitives.index_exchange import (
-    fetch_rows,
     gather_global_indices,
     plan_exchange,
     return_rows_into,
+    start_fetch_rows,
 )
 from physicsnemo_shardext.primitives.layout import DimLayout
 
@@ -207,10 +207,24 @@ def _conv_forward(
     args: _ConvArgs,
 ) -> torch.Tensor:
     """The main convolution of the block, with the halo corrections added in place into its edge rows."""
-    d = args.dim
+    return _add_corrections(_main_conv(local, weight, bias, g, args), top, bottom, weight, g, args)
+
+
+def _main_conv(
+    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: ConvStrips, args: _ConvArgs
+) -> torch.Tensor:
+    """The block convolved as it is, padded by ``g.q`` rows: this rank's rows, halo contributions missing."""
     out = args.func(local, weight, bias, args.stride, args.padding, args.dilation, args.groups)
-    if out.shape[d] != g.outputs:  # symmetric padding may give rows past this rank's last
-        out = out.narrow(d, 0, g.outputs).contiguous()
+    if out.shape[args.dim] != g.outputs:  # symmetric padding may give rows past this rank's last
+        out = out.narrow(args.dim, 0, g.outputs).contiguous()
+    return out
+
+
+def _add_corrections(
+    out: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, weight: torch.Tensor, g: ConvStrips, args: _ConvArgs
+) -> torch.Tensor:
+    """Add the halo rows' contributions into ``out``'s first and last rows, in place."""
+    d = args.dim
     for halo, rows, first, is_top in (
         (top, g.top_outputs, 0, True),
         (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
@@ -334,10 +348,12 @@ class _ExchangingStripConv(torch.autograd.Function):
     ) -> torch.Tensor:
         plan = plan_exchange(layout, wanted)
         ctx.recompute = recompute
-        top, bottom = _split_halo(fetch_rows(local, layout, plan), g, args.dim)
+        finish = start_fetch_rows(local, layout, plan)  # the halo travels while the block is convolved
+        out = _main_conv(local, weight, bias, g, args)
+        top, bottom = _split_halo(finish(), g, args.dim)
         ctx.g, ctx.args, ctx.has_bias, ctx.layout, ctx.wanted = g, args, bias is not None, layout, wanted
         ctx.save_for_backward(local, top, bottom, weight, bias)
-        return _conv_forward(local, top, bottom, weight, bias, g, args)
+        return _add_corrections(out, top, bottom, weight, g, args)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

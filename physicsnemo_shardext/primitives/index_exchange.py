@@ -41,7 +41,15 @@ from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout
 from physicsnemo_shardext.primitives.profiling import profiled_range
 
-__all__ = ["ExchangePlan", "fetch_rows", "gather_global_indices", "halo_indices", "plan_exchange", "return_rows_into"]
+__all__ = [
+    "ExchangePlan",
+    "fetch_rows",
+    "gather_global_indices",
+    "halo_indices",
+    "plan_exchange",
+    "return_rows_into",
+    "start_fetch_rows",
+]
 
 WantedBy = Callable[[int], Sequence[int]] | Sequence[Sequence[int]]
 
@@ -308,6 +316,54 @@ def fetch_rows(local: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> to
     """
     with torch.no_grad():
         return _gather_rows_by_plan(local.movedim(layout.tensor_dim, 0), layout, plan).movedim(0, layout.tensor_dim)
+
+
+def start_fetch_rows(local: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> Callable[[], torch.Tensor]:
+    """Start `fetch_rows` and return a function that waits for it and returns the rows.
+
+    The exchange runs while the caller computes what does not need the rows (a
+    convolution's interior, from the block), so on a backend with asynchronous
+    collectives it hides behind that compute. The returned function must be called
+    once, by every rank that started the exchange.
+
+    Examples:
+        >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3,), coord=0, mesh=None)
+        >>> finish = start_fetch_rows(torch.arange(3.0), layout, plan_exchange(layout, [[2, 0]]))
+        >>> finish().tolist()
+        [2.0, 0.0]
+    """
+    d = layout.tensor_dim
+    with torch.no_grad():
+        rows_first = local.movedim(d, 0)
+        out = rows_first.new_empty((plan.output_rows,) + tuple(rows_first.shape[1:]))
+        if plan.self_rows:
+            _put(out, plan.self_positions, _take(rows_first, plan.self_rows))
+        if not plan.crosses:
+            return lambda: out.movedim(0, d)
+        order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
+        pieces = [_take(rows_first, rows) if rows else rows_first[:0] for rows in plan.send_rows]
+        send = torch.cat([pieces[c] for c in order]).contiguous()
+        recv_counts = [len(plan.recv_positions[c]) for c in order]
+        recv = rows_first.new_empty((sum(recv_counts),) + tuple(rows_first.shape[1:]))
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=recv_counts,
+            input_split_sizes=[int(pieces[c].shape[0]) for c in order],
+            group=layout.group,
+            async_op=True,
+        )
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        with torch.no_grad():
+            for c, received in zip(order, recv.split(recv_counts)):  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
+                if plan.recv_positions[c]:
+                    _put(out, plan.recv_positions[c], received)
+        return out.movedim(0, d)
+
+    return finish
 
 
 def return_rows_into(grad_local: torch.Tensor, grad_rows: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> None:

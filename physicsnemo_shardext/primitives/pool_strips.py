@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from physicsnemo_shardext.primitives.index_exchange import fetch_rows, plan_exchange, return_rows_into
+from physicsnemo_shardext.primitives.index_exchange import plan_exchange, return_rows_into, start_fetch_rows
 from physicsnemo_shardext.primitives.layout import DimLayout
 
 __all__ = ["PoolStrips", "exchanging_strip_max_pool", "pool_strip_geometry", "strip_max_pool"]
@@ -194,10 +194,25 @@ def _pool_forward(
     local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, args: _PoolArgs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The main pool of the block with its edge rows replaced from the strips; its values and indices."""
+    values, indices = _main_pool(local, g, args)
+    _replace_edges(values, local, top, bottom, g, args)
+    return values, indices
+
+
+def _main_pool(local: torch.Tensor, g: PoolStrips, args: _PoolArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block pooled as it is, padded by ``g.q`` rows: this rank's rows, the edge rows still wrong."""
     d = args.dim
     values, indices = args.pool(local, args.padding)
     if values.shape[d] != g.outputs:
         values, indices = values.narrow(d, 0, g.outputs).contiguous(), indices.narrow(d, 0, g.outputs).contiguous()
+    return values, indices
+
+
+def _replace_edges(
+    values: torch.Tensor, local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, args: _PoolArgs
+) -> None:
+    """Replace the output rows whose windows reach past the block by the pools of the strips, in place."""
+    d = args.dim
     top_strip, bottom_strip = _strips(local, top, bottom, g, d)
     if top_strip is not None:
         values.narrow(d, 0, g.top_outputs).copy_(args.pool(top_strip, args.strip_padding)[0])
@@ -205,7 +220,6 @@ def _pool_forward(
         values.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).copy_(
             args.pool(bottom_strip, args.strip_padding)[0]
         )
-    return values, indices
 
 
 def _pool_backward(
@@ -276,10 +290,12 @@ class _ExchangingStripMaxPool(torch.autograd.Function):
         wanted: tuple[tuple[int, ...], ...],
         recompute: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        halo = fetch_rows(local, layout, plan_exchange(layout, wanted))
+        finish = start_fetch_rows(local, layout, plan_exchange(layout, wanted))  # travels while the block pools
+        values, indices = _main_pool(local, g, args)
+        halo = finish()
         top = halo.narrow(args.dim, 0, len(g.top_halo))
         bottom = halo.narrow(args.dim, len(g.top_halo), len(g.bottom_halo))
-        values, indices = _pool_forward(local, top, bottom, g, args)
+        _replace_edges(values, local, top, bottom, g, args)
         ctx.g, ctx.args, ctx.layout, ctx.wanted, ctx.recompute = g, args, layout, wanted, recompute
         ctx.save_for_backward(local, top, bottom, indices)
         return values
