@@ -405,10 +405,14 @@ def strip_conv(
         func: the convolution.
         local: the block.
         halo: the rows of ``g.halo_rows``, fetched (`gather_global_indices`), along ``dim``.
-        weight, bias: plain tensors (their gradients are this rank's partial sums).
+        weight: a plain tensor (its gradient is this rank's partial sum).
+        bias: a plain tensor or ``None`` (likewise).
         g: this coordinate's geometry (`conv_strip_geometry`).
         dim: the sharded tensor dim.
-        stride, padding, dilation, groups: the convolution's; ``padding[dim - 2]`` is replaced by ``g.q``.
+        stride: the convolution's stride, one per spatial dim.
+        padding: the convolution's padding; ``padding[dim - 2]`` is replaced by ``g.q``.
+        dilation: the convolution's dilation.
+        groups: the convolution's groups.
 
     Examples:
         One process standing in for rank 1 of the module example: the result equals rows
