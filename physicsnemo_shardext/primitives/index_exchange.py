@@ -314,8 +314,7 @@ def fetch_rows(local: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> to
         >>> fetch_rows(torch.arange(3.0), layout, plan_exchange(layout, [[2, 0]])).tolist()
         [2.0, 0.0]
     """
-    with torch.no_grad():
-        return _gather_rows_by_plan(local.movedim(layout.tensor_dim, 0), layout, plan).movedim(0, layout.tensor_dim)
+    return start_fetch_rows(local, layout, plan)()
 
 
 def start_fetch_rows(local: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> Callable[[], torch.Tensor]:

@@ -9,10 +9,13 @@ from torch.distributed.tensor import Replicate, Shard
 from physicsnemo_shardext.primitives import (
     DimLayout,
     dim_layout,
+    fetch_rows,
     from_local_like,
     gather_global_indices,
     halo_indices,
     plan_exchange,
+    return_rows_into,
+    start_fetch_rows,
 )
 from physicsnemo_shardext.ranks.comm_accounting import CommCounter
 from physicsnemo_shardext.testing import shard_tensor
@@ -136,3 +139,24 @@ def test_layout_and_rebuild_keep_uneven_shapes(domain_mesh, rank):
         from_local_like(x.to_local(), x, sizes_by_tensor_dim={1: [4, 1]})
     r = from_local_like(torch.ones(2), x, placements=[Replicate()])
     assert r.shape == (2,)
+
+
+@pytest.mark.multirank(4)
+def test_fetch_rows_and_return_rows_into_are_the_exchange_and_its_adjoint(domain_mesh, rank):
+    # Halo rows of an uneven split (a tiny shard included): the autograd-free pair must give
+    # what gather_global_indices gives, forward and backward, started early or not.
+    full = torch.randn(19, 3, dtype=torch.float64)
+    x = shard_tensor(full, domain_mesh, [Shard(0)], [7, 2, 0, 10], requires_grad=True)
+    layout = dim_layout(x, 0)
+    wanted = [[max(layout.offsets[c] - 2, 0), min(layout.offsets[c] + layout.sizes[c], 18)] for c in range(4)]
+    plan = plan_exchange(layout, wanted)
+    local = x.to_local().detach().requires_grad_(True)
+    reference = gather_global_indices(local, layout, wanted)
+    finish = start_fetch_rows(local, layout, plan)
+    torch.testing.assert_close(finish(), reference.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(fetch_rows(local, layout, plan), reference.detach(), rtol=0, atol=0)
+    cotangent = torch.randn_like(reference)
+    (expected,) = torch.autograd.grad(reference, local, cotangent)
+    accumulated = torch.ones_like(local)
+    return_rows_into(accumulated, cotangent, layout, plan)
+    torch.testing.assert_close(accumulated, expected + 1, rtol=0, atol=1e-12)
