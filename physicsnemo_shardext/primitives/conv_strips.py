@@ -367,7 +367,7 @@ class _ExchangingStripConv(torch.autograd.Function):
                 else:
                     halo = gather_global_indices(local, layout, wanted)
                     top_rows, bottom_rows = _split_halo(halo, g, args.dim)
-                    out = _StripConv.apply(local, top_rows, bottom_rows, weight, bias, g, args)
+                    out = _strip_conv_apply(local, top_rows, bottom_rows, weight, bias, g, args)
             wanted = [t for t, n in zip((local, weight, bias), need[:3]) if n and t is not None]
             found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True))
             grads = [next(found) if n and t is not None else None for t, n in zip((local, weight, bias), need[:3])]
@@ -380,6 +380,11 @@ class _ExchangingStripConv(torch.autograd.Function):
             halo_grad = torch.cat([grad_top, grad_bottom], args.dim)
             return_rows_into(grad_local, halo_grad, layout, plan_exchange(layout, wanted))
         return grad_local, grad_weight, grad_bias, None, None, None, None, None
+
+
+# Bound once, typed loosely: Function.apply is untyped before torch 2.14 (mypy --strict on every lane).
+_strip_conv_apply: Callable[..., Any] = _StripConv.apply
+_exchanging_strip_conv_apply: Callable[..., Any] = _ExchangingStripConv.apply
 
 
 def _split_halo(halo: torch.Tensor, g: ConvStrips, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,7 +434,7 @@ def strip_conv(
     bottom = halo.narrow(dim, len(g.top_halo), len(g.bottom_halo))
     main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
     args = _ConvArgs(func, dim, tuple(stride), main_padding, tuple(dilation), int(groups))
-    out: torch.Tensor = _StripConv.apply(local, top, bottom, weight, bias, g, args)
+    out: torch.Tensor = _strip_conv_apply(local, top, bottom, weight, bias, g, args)
     return out
 
 
@@ -481,5 +486,5 @@ def exchanging_strip_conv(
     main_padding = tuple(g.q if i + 2 == layout.tensor_dim else int(p) for i, p in enumerate(padding))
     args = _ConvArgs(func, layout.tensor_dim, tuple(stride), main_padding, tuple(dilation), int(groups))
     frozen = tuple(tuple(int(r) for r in rows) for rows in wanted)
-    out: torch.Tensor = _ExchangingStripConv.apply(local, weight, bias, g, args, layout, frozen, recompute)
+    out: torch.Tensor = _exchanging_strip_conv_apply(local, weight, bias, g, args, layout, frozen, recompute)
     return out

@@ -314,6 +314,11 @@ class _ExchangingStripMaxPool(torch.autograd.Function):
         return grad_local, None, None, None, None, None
 
 
+# Bound once, typed loosely: Function.apply is untyped before torch 2.14 (mypy --strict on every lane).
+_strip_max_pool_apply: Callable[..., Any] = _StripMaxPool.apply
+_exchanging_strip_max_pool_apply: Callable[..., Any] = _ExchangingStripMaxPool.apply
+
+
 def strip_max_pool(
     local: torch.Tensor,
     halo: torch.Tensor,
@@ -339,7 +344,7 @@ def strip_max_pool(
     n = local.ndim - 2
     main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
     args = _PoolArgs(n, dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
-    out: torch.Tensor = _StripMaxPool.apply(local, top, bottom, g, args)
+    out: torch.Tensor = _strip_max_pool_apply(local, top, bottom, g, args)
     return out
 
 
@@ -379,5 +384,5 @@ def exchanging_strip_max_pool(
     main_padding = tuple(g.q if i + 2 == layout.tensor_dim else int(p) for i, p in enumerate(padding))
     args = _PoolArgs(n, layout.tensor_dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
     frozen = tuple(tuple(int(r) for r in rows) for rows in wanted)
-    out: torch.Tensor = _ExchangingStripMaxPool.apply(local, g, args, layout, frozen, recompute)
+    out: torch.Tensor = _exchanging_strip_max_pool_apply(local, g, args, layout, frozen, recompute)
     return out
