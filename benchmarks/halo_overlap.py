@@ -1,12 +1,15 @@
-"""Does the halo exchange hide behind the block's convolution? Forward time with and without overlap.
+"""Does the halo exchange hide behind the block's convolution? Forward and backward time with and without overlap.
 
 The halo-strip convolution (`physicsnemo_shardext.primitives.exchanging_strip_conv`)
-starts its halo exchange, convolves the block, then waits for the halo rows. This
-script times one sharded forward of a convolution both ways in the same processes,
-interleaved: as shipped (overlapped), and with the exchange waited for at once
-(sequential), and prints the medians. On a backend whose collectives run in the
-background the overlapped forward is shorter by up to the exchange's time; gloo on
-a CPU shares the cores with the convolution, so there it shows little.
+starts its halo exchange, convolves the block, then waits for the halo rows; its
+backward forms the halo rows' gradients first (from the small strips), starts
+sending them back, computes the block's gradient, then adds what came back. This
+script times one sharded forward and its backward both ways in the same processes,
+interleaved: as shipped (overlapped), and with each exchange done before
+(forward) or after (backward) the block's compute (sequential), and prints the
+medians. On a backend whose collectives run in the background the overlapped pass
+is shorter by up to the exchange's time; gloo on a CPU shares the cores with the
+convolution, so there it shows less.
 
     python benchmarks/halo_overlap.py --ranks 2 --size 1x16x1024x1024 --repeats 20
 """
@@ -50,36 +53,58 @@ def _world(args: argparse.Namespace) -> None:
     full = torch.randn(*shape, device=device)
     x = shard_tensor(full, mesh, [Shard(2)], None)
     weight = torch.randn(shape[1], shape[1], 3, 3, device=device)
-    overlapped = conv_strips.start_fetch_rows
+    weight.requires_grad_(True)
+    x = x.detach().requires_grad_(True)
+    cotangent: list[Any] = []
+    fetch, give_back = conv_strips.start_fetch_rows, conv_strips.start_return_rows
 
-    def sequential(*a: Any) -> Any:
-        rows = overlapped(*a)()
+    def fetch_at_once(*a: Any) -> Any:
+        rows = fetch(*a)()
         return lambda: rows
 
-    times: dict[str, list[float]] = {"overlapped": [], "sequential": []}
-    with torch.no_grad():
-        for i in range(args.repeats + 2):
-            for name, start in (("overlapped", overlapped), ("sequential", sequential)):
-                conv_strips.start_fetch_rows = start
-                dist.barrier()
-                sync(device)
-                begin = time.perf_counter()
-                F.conv2d(x, weight, padding=1)
-                sync(device)
-                if i >= 2:  # warm-up
-                    times[name].append(time.perf_counter() - begin)
-    conv_strips.start_fetch_rows = overlapped
-    mine = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    def give_back_after(grad_rows: torch.Tensor, layout: Any, plan: Any) -> Any:
+        # The whole exchange once the block's gradient exists: the backward without overlap.
+        return lambda grad_local: give_back(grad_rows, layout, plan)(grad_local)
+
+    variants = {"overlapped": (fetch, give_back), "sequential": (fetch_at_once, give_back_after)}
+    times: dict[tuple[str, str], list[float]] = {(v, p): [] for v in variants for p in ("forward", "backward")}
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i in range(args.repeats + 2):
+        for name, (start, start_back) in variants.items():
+            conv_strips.start_fetch_rows, conv_strips.start_return_rows = start, start_back
+            x.grad = weight.grad = None
+            dist.barrier()
+            sync(device)
+            begin = time.perf_counter()
+            out = F.conv2d(x, weight, padding=1)
+            sync(device)
+            middle = time.perf_counter()
+            if not cotangent:
+                cotangent.append(torch.ones_like(out))
+            out.backward(cotangent[0])
+            sync(device)
+            end = time.perf_counter()
+            if i == 0:  # both variants compute the same gradients
+                grads.setdefault(name, (x.grad.to_local().clone(), weight.grad.clone()))
+            if i >= 2:  # warm-up
+                times[name, "forward"].append(middle - begin)
+                times[name, "backward"].append(end - middle)
+            del out
+    conv_strips.start_fetch_rows, conv_strips.start_return_rows = fetch, give_back
+    for a, b in zip(grads["overlapped"], grads["sequential"]):
+        torch.testing.assert_close(a, b)
+    mine = {f"{v} {p}": statistics.median(t) * 1e3 for (v, p), t in times.items()}
     rows: list[Any] = [None] * n
     dist.all_gather_object(rows, mine)
     if dist.get_rank() == 0:
-        title = f"F.conv2d(x, w, padding=1), x {args.size} sharded over H on {n} ranks ({device.type}), forward"
+        title = f"F.conv2d(x, w, padding=1), x {args.size} sharded over H on {n} ranks ({device.type})"
         print(f"{title}, median of {args.repeats}")
-        print("| rank | overlapped (ms) | sequential (ms) | overlapped / sequential |")
-        print("|---:|---:|---:|---:|")
+        print("| rank | pass | overlapped (ms) | sequential (ms) | overlapped / sequential |")
+        print("|---:|---|---:|---:|---:|")
         for rank, r in enumerate(rows):
-            ratio = r["overlapped"] / r["sequential"]
-            print(f"| {rank} | {r['overlapped']:.1f} | {r['sequential']:.1f} | {ratio:.3f} |")
+            for p in ("forward", "backward"):
+                over, seq = r[f"overlapped {p}"], r[f"sequential {p}"]
+                print(f"| {rank} | {p} | {over:.1f} | {seq:.1f} | {over / seq:.3f} |")
 
 
 def main(argv: list[str] | None = None) -> int:

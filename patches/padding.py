@@ -188,7 +188,9 @@ def sharded_pad(
     meta_output_shape(torch.nn.functional.pad, (x, pad, mode, value))
 
     pads = _pads_by_dim(pad, x.ndim)
-    layouts = sharded_dims(x)
+    # A dim "sharded" over one coordinate is whole on this rank: it pads locally, as plain tensors do.
+    whole = {d for d, layout in sharded_dims(x).items() if layout.parts == 1}
+    layouts = {d: layout for d, layout in sharded_dims(x).items() if d not in whole}
     on_sharded = {d: lr for d, lr in pads.items() if d in layouts and lr != (0, 0)}
     if mode == "constant" and layouts and all(min(lr) >= 0 for lr in on_sharded.values()):
         builtin = builtin_handler(torch.nn.functional.pad)
@@ -203,12 +205,9 @@ def sharded_pad(
     local = local_of(x)
     count = len(pad) // 2
     new_sizes: dict[int, list[int]] = {}
-    for dim, (left, right) in on_sharded.items():
-        if mode == "constant":
-            fill = 0.0 if value is None else value
-            local, new_sizes[dim] = _constant_crop_pad(local, layouts[dim], left, right, fill)
-        else:
-            local, new_sizes[dim] = _exchange_pad(local, layouts[dim], mode, left, right)
+    # The dims this rank holds whole first: that pad saves (for its backward) the block
+    # itself, as a plain F.pad saves its input, and the exchange after it saves nothing.
+    # The other order would keep the exchanged, partly padded copy alive until the backward.
     unsharded = {d: lr for d, lr in pads.items() if d not in layouts}
     if any(lr != (0, 0) for lr in unsharded.values()):
         flat = _flat_pad(unsharded, x.ndim, count)
@@ -220,6 +219,14 @@ def sharded_pad(
             local = connected_zeros(local, shape)
         else:
             local = F.pad(local, flat, mode, value)
+    for dim in whole & unsharded.keys():
+        new_sizes[dim] = [local.shape[dim]]
+    for dim, (left, right) in on_sharded.items():
+        if mode == "constant":
+            fill = 0.0 if value is None else value
+            local, new_sizes[dim] = _constant_crop_pad(local, layouts[dim], left, right, fill)
+        else:
+            local, new_sizes[dim] = _exchange_pad(local, layouts[dim], mode, left, right)
     return from_local_like(local, x, sizes_by_tensor_dim=new_sizes)
 
 

@@ -86,6 +86,7 @@ from physicsnemo_shardext.primitives import (
     delegate,
     describe_target,
     eager_handler,
+    exchanging_strip_avg_pool,
     exchanging_strip_max_pool,
     expand_to,
     from_local_like,
@@ -100,6 +101,7 @@ from physicsnemo_shardext.primitives import (
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
+    strip_avg_pool,
     strip_max_pool,
     sum_to_replicated,
 )
@@ -373,7 +375,7 @@ def pool_handler(
         lo, hi, _, _ = window(axis.dim - first, *ranges_by_dim[axis.dim][coord])
         return lo, hi
 
-    strips = _strip_plan(x, cfg, axes, ranges_by_dim, is_max and not return_indices)
+    strips = _strip_plan(x, cfg, axes, ranges_by_dim, not return_indices)
     if strips is None:
         win = _fetch(local_of(x), axes, rows_wanted)
     else:
@@ -386,18 +388,33 @@ def pool_handler(
 
             def haloed(local: torch.Tensor) -> torch.Tensor:  # the general path, for create_graph
                 rows = _fetch(local, axes, rows_wanted)
-                padded = F.pad(rows, flat_pads, value=float("-inf")) if any(flat_pads) else rows
-                return _LOCAL_MAX[n](padded, cfg.kernel, cfg.stride, 0, cfg.dilation, False)
+                padded = F.pad(rows, flat_pads, value=float("-inf") if is_max else 0.0) if any(flat_pads) else rows
+                if is_max:
+                    return _LOCAL_MAX[n](padded, cfg.kernel, cfg.stride, 0, cfg.dilation, False)
+                summed: torch.Tensor = _sum_pool(padded, cfg.kernel, cfg.stride) / _avg_divisor(x, cfg, axes, a, rows)
+                return summed
 
             g = geometries[axis.layout.coord]
             assert g is not None
             kernel, stride_, padding = cfg.kernel, cfg.stride, cfg.padding
-            values = exchanging_strip_max_pool(local_of(x), axis.layout, wanted, g, kernel, stride_, padding, haloed)
+            if is_max:
+                values = exchanging_strip_max_pool(
+                    local_of(x), axis.layout, wanted, g, kernel, stride_, padding, haloed
+                )
+            else:
+                values = exchanging_strip_avg_pool(
+                    local_of(x), axis.layout, wanted, g, kernel, stride_, padding, haloed, *_avg_options(a)
+                )
             return from_local_like(values, x, sizes_by_tensor_dim={axis.dim: axis.out_sizes})
         fetched = gather_global_indices(local_of(x), axis.layout, wanted)
         g = geometries[axis.layout.coord]
         if g is not None and local_of(x).shape[0] > 0:
-            values = strip_max_pool(local_of(x), fetched, g, axis.dim, cfg.kernel, cfg.stride, cfg.padding)
+            if is_max:
+                values = strip_max_pool(local_of(x), fetched, g, axis.dim, cfg.kernel, cfg.stride, cfg.padding)
+            else:
+                values = strip_avg_pool(
+                    local_of(x), fetched, g, axis.dim, cfg.kernel, cfg.stride, cfg.padding, *_avg_options(a)
+                )
             return from_local_like(values, x, sizes_by_tensor_dim={axis.dim: axis.out_sizes})
         win = _fetch(fetched, [ax for ax in axes if ax.layout is None], rows_wanted)
     out_shape = tuple(win.shape[:first]) + tuple(ax.out_local for ax in axes)
@@ -429,12 +446,18 @@ def pool_handler(
     return result
 
 
+def _avg_options(a: dict[str, Any]) -> tuple[bool, int | None]:
+    """``count_include_pad`` and ``divisor_override`` of a bound average pool."""
+    override = a.get("divisor_override")
+    return bool(a["count_include_pad"]), int(override) if override else None
+
+
 def _strip_plan(
-    x: ShardTensor, cfg: _PoolConfig, axes: Sequence[_Axis], ranges_by_dim: dict, max_values_only: bool
+    x: ShardTensor, cfg: _PoolConfig, axes: Sequence[_Axis], ranges_by_dim: dict, values_only: bool
 ) -> tuple[_Axis, list[PoolStrips | None]] | None:
-    """The sharded axis and every coordinate's strips, where a max pool can run without a haloed copy."""
+    """The sharded axis and every coordinate's strips, where a pool can run without a haloed copy."""
     sharded = [ax for ax in axes if ax.layout is not None]
-    if not max_values_only or cfg.ceil_mode or cfg.n not in (2, 3) or x.ndim != cfg.n + 2 or len(sharded) != 1:
+    if not values_only or cfg.ceil_mode or cfg.n not in (2, 3) or x.ndim != cfg.n + 2 or len(sharded) != 1:
         return None
     if any(dil != 1 for dil in cfg.dilation):
         return None

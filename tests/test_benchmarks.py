@@ -248,7 +248,7 @@ def test_largest_field_quick_mode_gives_a_sane_table(tmp_path):
     assert (tmp_path / "lf.svg").read_text().lstrip().startswith("<?xml")
 
 
-def test_halo_overlap_benchmark_times_both_variants_on_2_ranks():
+def test_halo_overlap_benchmark_times_both_variants_forward_and_backward_on_2_ranks():
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "halo_overlap.py"), "--ranks", "2", "--size", "1x2x32x8", "--repeats", "2"],
         capture_output=True,
@@ -256,6 +256,6 @@ def test_halo_overlap_benchmark_times_both_variants_on_2_ranks():
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
-    assert [r[0] for r in rows] == ["0", "1"], result.stdout
-    assert all(float(v) > 0 for r in rows for v in r[1:]), result.stdout
+    rows = re.findall(r"^\| (\d) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
+    assert [r[:2] for r in rows] == [(rank, p) for rank in "01" for p in ("forward", "backward")], result.stdout
+    assert all(float(v) > 0 for r in rows for v in r[2:]), result.stdout

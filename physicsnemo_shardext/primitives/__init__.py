@@ -82,6 +82,7 @@ from physicsnemo_shardext.primitives.index_exchange import (
     plan_exchange,
     return_rows_into,
     start_fetch_rows,
+    start_return_rows,
 )
 from physicsnemo_shardext.primitives.layout import (
     DimLayout,
@@ -94,9 +95,12 @@ from physicsnemo_shardext.primitives.layout import (
 )
 from physicsnemo_shardext.primitives.meta import meta_output_shape
 from physicsnemo_shardext.primitives.pool_strips import (
+    AvgOptions,
     PoolStrips,
+    exchanging_strip_avg_pool,
     exchanging_strip_max_pool,
     pool_strip_geometry,
+    strip_avg_pool,
     strip_max_pool,
 )
 from physicsnemo_shardext.primitives.precision import autocast_float32, output_dtype_under_autocast
@@ -131,12 +135,15 @@ from physicsnemo_shardext.targets import describe_target
 
 __all__ = [
     "ConvStrips",
+    "AvgOptions",
     "PoolStrips",
     "conv_strip_geometry",
     "exchanging_strip_conv",
+    "exchanging_strip_avg_pool",
     "exchanging_strip_max_pool",
     "pool_strip_geometry",
     "strip_conv",
+    "strip_avg_pool",
     "strip_max_pool",
     "align_shard",
     "aligned_split_sizes",
@@ -183,6 +190,7 @@ __all__ = [
     "plan_exchange",
     "return_rows_into",
     "start_fetch_rows",
+    "start_return_rows",
     "profiled_range",
     "refuse_higher_order",
     "refuse_tracing",

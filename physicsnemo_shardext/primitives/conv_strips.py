@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from physicsnemo_shardext.primitives.index_exchange import (
     gather_global_indices,
     plan_exchange,
-    return_rows_into,
     start_fetch_rows,
+    start_return_rows,
 )
 from physicsnemo_shardext.primitives.layout import DimLayout
 
@@ -243,12 +243,48 @@ def _conv_backward(
     needs: tuple[bool, bool, bool],
     g: ConvStrips,
     args: _ConvArgs,
+    halo_grads_ready: Callable[[torch.Tensor | None, torch.Tensor | None], None] | None = None,
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """Gradients of the block, the top and bottom halo rows, the weight and the bias (``needs``: input, weight, bias)."""
+    """Gradients of the block, the top and bottom halo rows, the weight and the bias (``needs``: input, weight, bias).
+
+    The halo rows' gradients come from the small strips, so they are computed first and
+    handed to ``halo_grads_ready`` (which may start sending them) before the block's.
+    """
     local, top, bottom, weight = saved
     d, n = args.dim, weight.ndim - 2
     need_input, need_weight, need_bias = needs
     convolution_backward = torch.ops.aten.convolution_backward
+    halo_grads: list[torch.Tensor | None] = []
+    strip_weight_grads = []
+    for halo, rows, first, is_top in (
+        (top, g.top_outputs, 0, True),
+        (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
+    ):
+        if not rows:
+            halo_grads.append(None)
+            continue
+        strip = _strip_input(halo, g, d, is_top)
+        strip_grad, strip_weight_grad, _ = convolution_backward(
+            grad.narrow(d, first, rows),
+            strip,
+            weight,
+            None,
+            args.stride,
+            args.strip_padding,
+            args.dilation,
+            False,
+            [0] * n,
+            args.groups,
+            [need_input, need_weight, False],
+        )
+        if need_weight:
+            strip_weight_grads.append(strip_weight_grad)
+        if need_input:
+            offset = g.top_zeros if is_top else g.bottom_lead
+            strip_grad = strip_grad.narrow(d, offset, halo.shape[d])
+        halo_grads.append(strip_grad if need_input else None)
+    if halo_grads_ready is not None:
+        halo_grads_ready(halo_grads[0], halo_grads[1])
     main_grad = grad
     reach = args.dilation[d - 2] * (weight.shape[d] - 1)
     main_rows = (local.shape[d] + 2 * g.q - reach - 1) // args.stride[d - 2] + 1
@@ -267,35 +303,12 @@ def _conv_backward(
         args.groups,
         [need_input, need_weight, need_bias],
     )
-    halo_grads = []
-    for halo, rows, first, is_top in (
-        (top, g.top_outputs, 0, True),
-        (bottom, g.bottom_outputs, g.outputs - g.bottom_outputs, False),
-    ):
-        if not rows:  # no rows: a view of the block's gradient keeps the exchange in a second-order graph
-            halo_grads.append(grad_local.narrow(d, 0, 0) if need_input else None)
-            continue
-        strip = _strip_input(halo, g, d, is_top)
-        strip_grad, strip_weight_grad, _ = convolution_backward(
-            grad.narrow(d, first, rows),
-            strip,
-            weight,
-            None,
-            args.stride,
-            args.strip_padding,
-            args.dilation,
-            False,
-            [0] * n,
-            args.groups,
-            [need_input, need_weight, False],
-        )
-        if need_weight:
-            grad_weight = grad_weight + strip_weight_grad
-        if need_input:
-            offset = g.top_zeros if is_top else g.bottom_lead
-            strip_grad = strip_grad.narrow(d, offset, halo.shape[d])
-        halo_grads.append(strip_grad if need_input else None)
-    return grad_local, halo_grads[0], halo_grads[1], grad_weight, grad_bias
+    for strip_weight_grad in strip_weight_grads:
+        grad_weight = grad_weight + strip_weight_grad
+    # No rows: a view of the block's gradient keeps the exchange in a second-order graph.
+    empty = grad_local.narrow(d, 0, 0) if need_input else None
+    top_grad, bottom_grad = (h if h is not None else empty for h in halo_grads)
+    return grad_local, top_grad, bottom_grad, grad_weight, grad_bias
 
 
 class _StripConv(torch.autograd.Function):
@@ -373,12 +386,22 @@ class _ExchangingStripConv(torch.autograd.Function):
             grads = [next(found) if n and t is not None else None for t, n in zip((local, weight, bias), need[:3])]
             return (*grads, None, None, None, None, None)
         needs = (need[0], need[1], ctx.has_bias and need[2])
-        grad_local, grad_top, grad_bottom, grad_weight, grad_bias = _conv_backward(
-            grad, (local, top, bottom, weight), ctx.has_bias, needs, g, args
+        finish: list[Callable[[torch.Tensor], None]] = []
+
+        def send_halo_grads(grad_top: torch.Tensor | None, grad_bottom: torch.Tensor | None) -> None:
+            # They travel back to their owners while the block's gradient is computed.
+            if needs[0]:
+                rows = [
+                    r if r is not None else torch.zeros_like(h) for r, h in ((grad_top, top), (grad_bottom, bottom))
+                ]
+                halo_grad = torch.cat(rows, args.dim)
+                finish.append(start_return_rows(halo_grad, layout, plan_exchange(layout, wanted)))
+
+        grad_local, _, _, grad_weight, grad_bias = _conv_backward(
+            grad, (local, top, bottom, weight), ctx.has_bias, needs, g, args, send_halo_grads
         )
-        if grad_local is not None:
-            halo_grad = torch.cat([grad_top, grad_bottom], args.dim)
-            return_rows_into(grad_local, halo_grad, layout, plan_exchange(layout, wanted))
+        if finish:
+            finish[0](grad_local)
         return grad_local, grad_weight, grad_bias, None, None, None, None, None
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "plan_exchange",
     "return_rows_into",
     "start_fetch_rows",
+    "start_return_rows",
 ]
 
 WantedBy = Callable[[int], Sequence[int]] | Sequence[Sequence[int]]
@@ -375,9 +376,59 @@ def return_rows_into(grad_local: torch.Tensor, grad_rows: torch.Tensor, layout: 
         >>> grad.tolist()
         [0.0, 0.0, 6.0]
     """
+    start_return_rows(grad_rows, layout, plan)(grad_local)
+
+
+def start_return_rows(grad_rows: torch.Tensor, layout: DimLayout, plan: ExchangePlan) -> Callable[[torch.Tensor], None]:
+    """Start `return_rows_into` and return a function that waits and adds the rows into the block's gradient.
+
+    The halo gradients are known before the block's own (they come from the small
+    edge strips), so the exchange travels while the caller computes the block's
+    gradient, and is added into it afterwards. The returned function must be called
+    once, by every rank that started the exchange, with the block's gradient.
+
+    Examples:
+        >>> layout = DimLayout(tensor_dim=0, mesh_dim=0, sizes=(3,), coord=0, mesh=None)
+        >>> finish = start_return_rows(torch.tensor([1.0, 5.0]), layout, plan_exchange(layout, [[2, 2]]))
+        >>> grad = torch.ones(3)  # computed while the rows travel
+        >>> finish(grad)
+        >>> grad.tolist()
+        [1.0, 1.0, 7.0]
+    """
     d = layout.tensor_dim
     with torch.no_grad():
-        _return_rows_by_plan(grad_rows.movedim(d, 0), layout, plan, grad_local.shape[d], into=grad_local.movedim(d, 0))
+        rows_first = grad_rows.movedim(d, 0)
+        own = _take(rows_first, plan.self_positions) if plan.self_rows else None
+        work = None
+        if plan.crosses:
+            order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
+            pieces = [_take(rows_first, p) if p else rows_first[:0] for p in plan.recv_positions]
+            send = torch.cat([pieces[c] for c in order]).contiguous()
+            recv_counts = [len(plan.send_rows[c]) for c in order]
+            recv = rows_first.new_empty((sum(recv_counts),) + tuple(rows_first.shape[1:]))
+            work = dist.all_to_all_single(
+                recv,
+                send,
+                output_split_sizes=recv_counts,
+                input_split_sizes=[int(pieces[c].shape[0]) for c in order],
+                group=layout.group,
+                async_op=True,
+            )
+
+    def finish(grad_local: torch.Tensor) -> None:
+        with torch.no_grad():
+            target = grad_local.movedim(d, 0)
+            if own is not None:
+                _accumulate(target, plan.self_rows, own)
+            if not plan.crosses:
+                return
+            if work is not None:
+                work.wait()
+            for c, values in zip(order, recv.split(recv_counts)):  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
+                if plan.send_rows[c]:
+                    _accumulate(target, plan.send_rows[c], values)
+
+    return finish
 
 
 def halo_indices(layout: DimLayout, coord: int, before: int, after: int, periodic: bool = False) -> Sequence[int]:

@@ -1,19 +1,20 @@
-"""Max pooling along one sharded dim without a haloed copy of the block.
+"""Max and average pooling along one sharded dim without a haloed copy of the block.
 
 The general path of the first-party pooling family fetches every input row a rank's windows
 read, its own included, pads the global boundary into yet another copy and pools
 that. Here, as for the convolution (`conv_strips`), the block is
 pooled as it is, padded by ``q`` rows so that its first output row is this rank's
 first. The output rows whose window reaches past the block's edges are then
-*replaced* (a maximum is not linear, so they cannot be corrected by addition) by
+*replaced* (a maximum is not linear, and an average's divisor near the block's
+edge counts the main pool's padding, so neither can be corrected by addition) by
 the pool of a small strip: the halo rows and the block's edge rows.
 
-Autograd saves the block (no copy), the halo rows and the main pool's indices (as
-a single-process max pool saves its indices). The backward routes the gradient of
-the main rows through the main pool's indices into one block-sized buffer, and
-adds the strips' gradients into its edge rows and into the halo rows (sent back to
-their owners by the exchange). It is built from differentiable ops, so
-second-order gradients work as for a plain max pool.
+Autograd saves the block (no copy), the halo rows and, for a max pool, the main
+pool's indices (as a single-process max pool saves its indices). The backward first
+forms the strips' gradients and starts sending the halo rows' back to their owners,
+then routes the main rows' gradient into one block-sized buffer, adds the edge
+rows' into it, and finally the returned halo gradients. It is built from
+differentiable ops, so second-order gradients work as for a plain pool.
 
 `pool_strip_geometry` decides per coordinate from global sizes only, so every rank
 agrees on the exchange. It returns ``None`` (the general path) where a strip would
@@ -40,10 +41,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from physicsnemo_shardext.primitives.index_exchange import plan_exchange, return_rows_into, start_fetch_rows
+from physicsnemo_shardext.primitives.index_exchange import plan_exchange, start_fetch_rows, start_return_rows
 from physicsnemo_shardext.primitives.layout import DimLayout
 
-__all__ = ["PoolStrips", "exchanging_strip_max_pool", "pool_strip_geometry", "strip_max_pool"]
+__all__ = [
+    "AvgOptions",
+    "PoolStrips",
+    "exchanging_strip_avg_pool",
+    "exchanging_strip_max_pool",
+    "pool_strip_geometry",
+    "strip_avg_pool",
+    "strip_max_pool",
+]
 
 
 @dataclass(frozen=True)
@@ -145,11 +154,26 @@ def _geometry(
     )
 
 
-_POOLS = {2: torch.ops.aten.max_pool2d_with_indices, 3: torch.ops.aten.max_pool3d_with_indices}
-_POOL_BACKWARDS = {
+_MAX_POOLS = {2: torch.ops.aten.max_pool2d_with_indices, 3: torch.ops.aten.max_pool3d_with_indices}
+_MAX_POOL_BACKWARDS = {
     2: torch.ops.aten.max_pool2d_with_indices_backward,
     3: torch.ops.aten.max_pool3d_with_indices_backward,
 }
+_AVG_POOLS = {2: torch.ops.aten.avg_pool2d, 3: torch.ops.aten.avg_pool3d}
+_AVG_POOL_BACKWARDS = {2: torch.ops.aten.avg_pool2d_backward, 3: torch.ops.aten.avg_pool3d_backward}
+
+
+@dataclass(frozen=True)
+class AvgOptions:
+    """An average pool's divisor options (``None`` in `strip_max_pool`'s place: a max pool).
+
+    Attributes:
+        count_include_pad: whether the padding counts in the divisor.
+        divisor_override: a fixed divisor, or ``None``.
+    """
+
+    count_include_pad: bool = True
+    divisor_override: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,22 +183,37 @@ class _PoolArgs:
     kernel: tuple[int, ...]
     stride: tuple[int, ...]
     padding: tuple[int, ...]  # the main pool's: q along the sharded dim
+    avg: AvgOptions | None = None  # None: a max pool
 
     @property
     def strip_padding(self) -> list[int]:
         return [0 if i + 2 == self.dim else p for i, p in enumerate(self.padding)]
 
-    def pool(self, x: torch.Tensor, padding: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        values, indices = _POOLS[self.n](x, list(self.kernel), list(self.stride), list(padding), [1] * self.n, False)
+    def pool(self, x: torch.Tensor, padding: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pool's values, and its indices for a max pool (``None`` for an average)."""
+        kernel, stride = list(self.kernel), list(self.stride)
+        if self.avg is not None:
+            avg = self.avg
+            values = _AVG_POOLS[self.n](
+                x, kernel, stride, list(padding), False, avg.count_include_pad, avg.divisor_override
+            )
+            return values, None
+        values, indices = _MAX_POOLS[self.n](x, kernel, stride, list(padding), [1] * self.n, False)
         return values, indices
 
     def pool_backward(
-        self, grad: torch.Tensor, x: torch.Tensor, padding: Sequence[int], indices: torch.Tensor
+        self, grad: torch.Tensor, x: torch.Tensor, padding: Sequence[int], indices: torch.Tensor | None
     ) -> torch.Tensor:
-        backward = _POOL_BACKWARDS[self.n]
-        grad_input: torch.Tensor = backward(
-            grad, x, list(self.kernel), list(self.stride), list(padding), [1] * self.n, False, indices
-        )
+        kernel, stride = list(self.kernel), list(self.stride)
+        grad_input: torch.Tensor
+        if self.avg is not None:
+            avg = self.avg
+            backward = _AVG_POOL_BACKWARDS[self.n]
+            grad_input = backward(
+                grad, x, kernel, stride, list(padding), False, avg.count_include_pad, avg.divisor_override
+            )
+            return grad_input
+        grad_input = _MAX_POOL_BACKWARDS[self.n](grad, x, kernel, stride, list(padding), [1] * self.n, False, indices)
         return grad_input
 
 
@@ -192,19 +231,20 @@ def _strips(
 
 def _pool_forward(
     local: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor, g: PoolStrips, args: _PoolArgs
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The main pool of the block with its edge rows replaced from the strips; its values and indices."""
     values, indices = _main_pool(local, g, args)
     _replace_edges(values, local, top, bottom, g, args)
     return values, indices
 
 
-def _main_pool(local: torch.Tensor, g: PoolStrips, args: _PoolArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def _main_pool(local: torch.Tensor, g: PoolStrips, args: _PoolArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The block pooled as it is, padded by ``g.q`` rows: this rank's rows, the edge rows still wrong."""
     d = args.dim
     values, indices = args.pool(local, args.padding)
     if values.shape[d] != g.outputs:
-        values, indices = values.narrow(d, 0, g.outputs).contiguous(), indices.narrow(d, 0, g.outputs).contiguous()
+        values = values.narrow(d, 0, g.outputs).contiguous()
+        indices = indices.narrow(d, 0, g.outputs).contiguous() if indices is not None else None
     return values, indices
 
 
@@ -224,14 +264,36 @@ def _replace_edges(
 
 def _pool_backward(
     grad: torch.Tensor,
-    saved: tuple[torch.Tensor, ...],
+    saved: tuple[torch.Tensor | None, ...],
     g: PoolStrips,
     args: _PoolArgs,
+    halo_grads_ready: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the block and of the top and bottom halo rows."""
+    """Gradients of the block and of the top and bottom halo rows.
+
+    The strips' gradients come first and the halo rows' are handed to ``halo_grads_ready``
+    (which may start sending them) before the block's own is computed.
+    """
     local, top, bottom, indices = saved
+    assert local is not None and top is not None and bottom is not None
     d = args.dim
-    main_rows = (local.shape[d] + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
+    size = local.shape[d]
+    top_strip, bottom_strip = _strips(local, top, bottom, g, d)
+    grad_top, grad_bottom = torch.zeros_like(top), torch.zeros_like(bottom)
+    top_edge = bottom_edge = None
+    if top_strip is not None:
+        strip_indices = args.pool(top_strip.detach(), args.strip_padding)[1]
+        strip_grad = args.pool_backward(grad.narrow(d, 0, g.top_outputs), top_strip, args.strip_padding, strip_indices)
+        grad_top, top_edge = strip_grad.narrow(d, 0, top.shape[d]), strip_grad.narrow(d, top.shape[d], g.top_edge)
+    if bottom_strip is not None:
+        strip_indices = args.pool(bottom_strip.detach(), args.strip_padding)[1]
+        rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
+        strip_grad = args.pool_backward(rows, bottom_strip, args.strip_padding, strip_indices)
+        edge_rows = size - g.bottom_start
+        bottom_edge, grad_bottom = strip_grad.narrow(d, 0, edge_rows), strip_grad.narrow(d, edge_rows, bottom.shape[d])
+    if halo_grads_ready is not None:
+        halo_grads_ready(grad_top, grad_bottom)
+    main_rows = (size + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
     # The replaced rows take no gradient through the main pool.
     main_grad = grad
     if g.top_outputs or g.bottom_outputs:
@@ -239,29 +301,19 @@ def _pool_backward(
         main_grad.narrow(d, 0, g.top_outputs).zero_()
         main_grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).zero_()
     if main_rows != g.outputs:
-        main_grad = F.pad(main_grad, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
-        indices = F.pad(indices, [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs])
+        tail = [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs]
+        main_grad = F.pad(main_grad, tail)
+        indices = F.pad(indices, tail) if indices is not None else None
     grad_local = args.pool_backward(main_grad, local, args.padding, indices)
-    top_strip, bottom_strip = _strips(local, top, bottom, g, d)
-    size = local.shape[d]
-    grad_top, grad_bottom = grad_local.narrow(d, 0, 0), grad_local.narrow(d, size, 0)
-    if top_strip is not None:
-        strip_indices = args.pool(top_strip.detach(), args.strip_padding)[1]
-        strip_grad = args.pool_backward(grad.narrow(d, 0, g.top_outputs), top_strip, args.strip_padding, strip_indices)
-        grad_top, edge = strip_grad.narrow(d, 0, top.shape[d]), strip_grad.narrow(d, top.shape[d], g.top_edge)
-        grad_local.narrow(d, 0, g.top_edge).add_(edge)
-    if bottom_strip is not None:
-        strip_indices = args.pool(bottom_strip.detach(), args.strip_padding)[1]
-        rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
-        strip_grad = args.pool_backward(rows, bottom_strip, args.strip_padding, strip_indices)
-        edge_rows = size - g.bottom_start
-        edge, grad_bottom = strip_grad.narrow(d, 0, edge_rows), strip_grad.narrow(d, edge_rows, bottom.shape[d])
-        grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(edge)
+    if top_edge is not None:
+        grad_local.narrow(d, 0, g.top_edge).add_(top_edge)
+    if bottom_edge is not None:
+        grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(bottom_edge)
     return grad_local, grad_top, grad_bottom
 
 
-class _StripMaxPool(torch.autograd.Function):
-    """Main max pool of the block with its edge rows replaced from the strips."""
+class _StripPool(torch.autograd.Function):
+    """Main (max or average) pool of the block with its edge rows replaced from the strips."""
 
     @staticmethod
     def forward(
@@ -277,8 +329,8 @@ class _StripMaxPool(torch.autograd.Function):
         return (*_pool_backward(grad, ctx.saved_tensors, ctx.g, ctx.args), None, None)
 
 
-class _ExchangingStripMaxPool(torch.autograd.Function):
-    """`_StripMaxPool` that fetches its halo rows itself (see `exchanging_strip_max_pool`)."""
+class _ExchangingStripPool(torch.autograd.Function):
+    """`_StripPool` that fetches its halo rows itself (see `exchanging_strip_max_pool`)."""
 
     @staticmethod
     def forward(
@@ -308,15 +360,21 @@ class _ExchangingStripMaxPool(torch.autograd.Function):
                 out = ctx.recompute(local)
             (grad_local,) = torch.autograd.grad(out, local, grad, create_graph=True)
             return grad_local, None, None, None, None, None
-        grad_local, grad_top, grad_bottom = _pool_backward(grad, (local, top, bottom, indices), ctx.g, ctx.args)
-        halo_grad = torch.cat([grad_top, grad_bottom], ctx.args.dim)
-        return_rows_into(grad_local, halo_grad, ctx.layout, plan_exchange(ctx.layout, ctx.wanted))
+        finish: list[Callable[[torch.Tensor], None]] = []
+
+        def send_halo_grads(grad_top: torch.Tensor, grad_bottom: torch.Tensor) -> None:
+            # They travel back to their owners while the block's gradient is computed.
+            halo_grad = torch.cat([grad_top, grad_bottom], ctx.args.dim)
+            finish.append(start_return_rows(halo_grad, ctx.layout, plan_exchange(ctx.layout, ctx.wanted)))
+
+        grad_local, _, _ = _pool_backward(grad, (local, top, bottom, indices), ctx.g, ctx.args, send_halo_grads)
+        finish[0](grad_local)
         return grad_local, None, None, None, None, None
 
 
 # Bound once, typed loosely: Function.apply is untyped before torch 2.14 (mypy --strict on every lane).
-_strip_max_pool_apply: Callable[..., Any] = _StripMaxPool.apply
-_exchanging_strip_max_pool_apply: Callable[..., Any] = _ExchangingStripMaxPool.apply
+_strip_pool_apply: Callable[..., Any] = _StripPool.apply
+_exchanging_strip_pool_apply: Callable[..., Any] = _ExchangingStripPool.apply
 
 
 def strip_max_pool(
@@ -339,12 +397,54 @@ def strip_max_pool(
         >>> torch.equal(y, F.max_pool2d(full, 3, stride=2, padding=1)[:, :, 5:9])
         True
     """
-    top = halo.narrow(dim, 0, len(g.top_halo))
-    bottom = halo.narrow(dim, len(g.top_halo), len(g.bottom_halo))
-    n = local.ndim - 2
+    return _strip_pool(local, halo, g, _pool_args(local, g, dim, kernel, stride, padding, None))
+
+
+def strip_avg_pool(
+    local: torch.Tensor,
+    halo: torch.Tensor,
+    g: PoolStrips,
+    dim: int,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """`strip_max_pool` for a 2-D/3-D average pool (floor mode): the edge rows are replaced likewise.
+
+    The strips hold real rows only (`pool_strip_geometry` sees to it), so their
+    divisors are the whole pool's under either ``count_include_pad``.
+
+    Examples:
+        >>> full = torch.randn(1, 2, 17, 4)
+        >>> g = pool_strip_geometry((10, 7), 1, (5, 9), kernel=3, stride=2, padding=1)
+        >>> y = strip_avg_pool(full[:, :, 10:], full[:, :, list(g.halo_rows)], g, 2, (3, 3), (2, 2), (1, 1), False)
+        >>> torch.allclose(y, F.avg_pool2d(full, 3, 2, 1, count_include_pad=False)[:, :, 5:9])
+        True
+    """
+    avg = AvgOptions(bool(count_include_pad), divisor_override)
+    return _strip_pool(local, halo, g, _pool_args(local, g, dim, kernel, stride, padding, avg))
+
+
+def _pool_args(
+    local: torch.Tensor,
+    g: PoolStrips,
+    dim: int,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    avg: AvgOptions | None,
+) -> _PoolArgs:
     main_padding = tuple(g.q if i + 2 == dim else int(p) for i, p in enumerate(padding))
-    args = _PoolArgs(n, dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
-    out: torch.Tensor = _strip_max_pool_apply(local, top, bottom, g, args)
+    ints = (tuple(int(k) for k in kernel), tuple(int(s) for s in stride))
+    return _PoolArgs(local.ndim - 2, dim, *ints, main_padding, avg)
+
+
+def _strip_pool(local: torch.Tensor, halo: torch.Tensor, g: PoolStrips, args: _PoolArgs) -> torch.Tensor:
+    top = halo.narrow(args.dim, 0, len(g.top_halo))
+    bottom = halo.narrow(args.dim, len(g.top_halo), len(g.bottom_halo))
+    out: torch.Tensor = _strip_pool_apply(local, top, bottom, g, args)
     return out
 
 
@@ -380,9 +480,51 @@ def exchanging_strip_max_pool(
         >>> torch.equal(y, F.max_pool2d(full, 3, stride=2, padding=1)[:, :, [slice(0, 5), slice(5, 9)][rank]])
         True
     """
-    n = local.ndim - 2
-    main_padding = tuple(g.q if i + 2 == layout.tensor_dim else int(p) for i, p in enumerate(padding))
-    args = _PoolArgs(n, layout.tensor_dim, tuple(int(k) for k in kernel), tuple(int(s) for s in stride), main_padding)
+    args = _pool_args(local, g, layout.tensor_dim, kernel, stride, padding, None)
+    return _exchanging_strip_pool(local, layout, wanted, g, args, recompute)
+
+
+def exchanging_strip_avg_pool(
+    local: torch.Tensor,
+    layout: DimLayout,
+    wanted: Sequence[Sequence[int]],
+    g: PoolStrips,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    recompute: Callable[[torch.Tensor], torch.Tensor],
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """`exchanging_strip_max_pool` for an average pool (see `strip_avg_pool`).
+
+    Examples:
+        On 2 ranks (``mesh``, ``rank``), rows split 10/7:
+
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.primitives import dim_layout
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> full = torch.linspace(-1, 1, 2 * 17 * 4).reshape(1, 2, 17, 4).sin()
+        >>> x = shard_tensor(full, mesh, [Shard(2)], [10, 7])
+        >>> gs = [pool_strip_geometry((10, 7), c, r, kernel=3, stride=2, padding=1) for c, r in ((0, (0, 5)), (1, (5, 9)))]
+        >>> whole = lambda t: F.avg_pool2d(t, 3, 2, 1)  # a stand-in: recompute is only run under create_graph
+        >>> y = exchanging_strip_avg_pool(x.to_local(), dim_layout(x, 2), [g.halo_rows for g in gs], gs[rank], (3, 3), (2, 2), (1, 1), whole)
+        >>> torch.allclose(y, F.avg_pool2d(full, 3, stride=2, padding=1)[:, :, [slice(0, 5), slice(5, 9)][rank]])
+        True
+    """
+    avg = AvgOptions(bool(count_include_pad), divisor_override)
+    args = _pool_args(local, g, layout.tensor_dim, kernel, stride, padding, avg)
+    return _exchanging_strip_pool(local, layout, wanted, g, args, recompute)
+
+
+def _exchanging_strip_pool(
+    local: torch.Tensor,
+    layout: DimLayout,
+    wanted: Sequence[Sequence[int]],
+    g: PoolStrips,
+    args: _PoolArgs,
+    recompute: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     frozen = tuple(tuple(int(r) for r in rows) for rows in wanted)
-    out: torch.Tensor = _exchanging_strip_max_pool_apply(local, g, args, layout, frozen, recompute)
+    out: torch.Tensor = _exchanging_strip_pool_apply(local, g, args, layout, frozen, recompute)
     return out

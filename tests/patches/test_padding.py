@@ -157,3 +157,48 @@ def test_partial_input_is_delegated_to_the_builtin(domain_mesh, rank, mode):
         builtin = F.pad(partial, (1, 2), mode=mode)
     assert tuple(out._spec.placements) == tuple(builtin._spec.placements) == (Partial(),)
     torch.testing.assert_close(out.to_local(), builtin.to_local())
+
+
+def _saved_bytes(fn, x) -> int:
+    """Bytes saved for the backward by ``fn(x)``, each storage once (a ShardTensor counted by its block)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, ShardTensor) else t
+        if local.is_floating_point():
+            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(seen.values())
+
+
+@pytest.mark.multirank(1)
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "constant"])
+def test_one_rank_mesh_pads_like_plain_tensors(domain_mesh, mode):
+    # Nothing is split: one F.pad of the block, bit for bit the plain result and gradient,
+    # saving no more than a plain F.pad (the Pix2Pix one-rank cost came from a two-step pad).
+    full = torch.randn(1, 4, 12, 9, dtype=torch.float64)
+    fn = _pad((3, 2, 3, 1), mode, 0.5)
+    x = shard_tensor(full, domain_mesh, [Shard(2)], [12], requires_grad=True)
+    plain = full.clone().requires_grad_(True)
+    out, expected = fn(x), fn(plain)
+    assert torch.equal(out.full_tensor(), expected)
+    cotangent = torch.randn_like(expected)
+    out.backward(shard_tensor(cotangent, domain_mesh, [Shard(2)], [expected.shape[2]]))
+    expected.backward(cotangent)
+    assert torch.equal(x.grad.full_tensor(), plain.grad)
+    assert _saved_bytes(fn, x) <= _saved_bytes(fn, plain)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize("mode", ["reflect", "circular"])
+def test_pad_along_both_dims_saves_only_the_block(domain_mesh, mode):
+    # The unsharded dim pads first (saving the block, as plain F.pad saves its input); the
+    # exchange after it saves nothing, so no padded copy lives on until the backward.
+    full = torch.randn(1, 4, 16, 9, dtype=torch.float64)
+    x = shard_tensor(full, domain_mesh, [Shard(2)], [10, 6], requires_grad=True)
+    block_bytes = x.to_local().untyped_storage().nbytes()
+    assert _saved_bytes(_pad((2, 2, 1, 1), mode), x) <= block_bytes
+    check_conformance(_pad((2, 2, 1, 1), mode), [full], ShardSpec(domain_mesh, [Shard(2)], [10, 6]))

@@ -29,6 +29,9 @@ POOLS = {
     "avg-k3-s2-p1-nopad-ceil": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
     "avg-k4-s3-p2-incl-ceil": lambda x: F.avg_pool2d(x, 4, 3, 2, ceil_mode=True),
     "avg-k2-s1-divisor": lambda x: F.avg_pool2d(x, 2, 1, divisor_override=3),
+    # Floor mode: the halo-strip average pool, its edge divisors counting padding or not.
+    "avg-k3-s2-p1-nopad": lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
+    "avg-k5-s1-p2-incl": lambda x: F.avg_pool2d(x, 5, 1, 2),
 }
 
 

@@ -61,8 +61,9 @@ def _cases(m: dict[str, torch.nn.Module]) -> dict[str, tuple[Callable[[Any], Any
         "padding_circular": (lambda t: torch.sin(F.pad(t, (0, 0, 1, 1), mode="circular")) * 2, []),
         "avg_pool": (lambda t: F.avg_pool2d(t * t, 3, stride=1, padding=1) * t, []),
         "max_pool": (lambda t: F.max_pool2d(t, 2) ** 2, []),
-        # Windows across the shard boundary: the halo-strip max pool (its exchange inside one Function).
+        # Windows across the shard boundary: the halo-strip pools (their exchange inside one Function).
         "max_pool_overlapping": (lambda t: F.max_pool2d(t * t, 3, stride=2, padding=1) * 2, []),
+        "avg_pool_overlapping": (lambda t: F.avg_pool2d(t * t, 3, 2, 1, count_include_pad=False) ** 2, []),
         "interpolate": (lambda t: F.interpolate(t * t, scale_factor=2, mode="bilinear") ** 2, []),
         "linear": (lambda t: torch.tanh(m["linear"](t)), [m["linear"]]),
         "fft": (lambda t: torch.fft.irfft2(torch.fft.rfft2(t * t) * 0.5, s=(8, 6)) * t, []),

@@ -16,6 +16,7 @@ from physicsnemo_shardext.primitives import (
     plan_exchange,
     return_rows_into,
     start_fetch_rows,
+    start_return_rows,
 )
 from physicsnemo_shardext.ranks.comm_accounting import CommCounter
 from physicsnemo_shardext.testing import shard_tensor
@@ -160,3 +161,8 @@ def test_fetch_rows_and_return_rows_into_are_the_exchange_and_its_adjoint(domain
     accumulated = torch.ones_like(local)
     return_rows_into(accumulated, cotangent, layout, plan)
     torch.testing.assert_close(accumulated, expected + 1, rtol=0, atol=1e-12)
+    # Started before the block's gradient exists, finished into it once computed.
+    finish_return = start_return_rows(cotangent, layout, plan)
+    block_grad = torch.full_like(local, 2.0)
+    finish_return(block_grad)
+    torch.testing.assert_close(block_grad, expected + 2, rtol=0, atol=1e-12)
