@@ -215,6 +215,21 @@ def case_pooling(s: Shape) -> Setup:
     )
 
 
+def case_avg_pooling(s: Shape) -> Setup:
+    nd = len(s.spatial)
+    windows = _conv_windows(s.height, 3, 2, 1)
+    return Setup(
+        op=f"F.avg_pool{nd}d(x, 3, stride=2, padding=1, count_include_pad=False)",
+        fn=lambda m, x: getattr(F, f"avg_pool{nd}d")(x, 3, stride=2, padding=1, count_include_pad=False),
+        inputs=[randn(*s.size)],
+        shard_dims=[2],
+        grads=[True],
+        bounds=_stencil_bounds(s, windows, s.row_bytes),
+        bound_text="halo: fewest rows crossing each boundary x row bytes; bwd: those rows' gradients",
+        targets=(getattr(F, f"avg_pool{nd}d"),),
+    )
+
+
 def case_resampling(s: Shape) -> Setup:
     nd = len(s.spatial)
     mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[nd]
@@ -521,7 +536,7 @@ def case_uneven_redistribute(s: Shape) -> Setup:
 CASES: dict[str, list[Callable[[Shape], Setup]]] = {
     "convolution": [case_convolution],
     "padding": [case_padding],
-    "pooling": [case_pooling],
+    "pooling": [case_pooling, case_avg_pooling],
     "resampling": [case_resampling],
     "normalization": [case_batch_norm, case_group_norm, case_layer_norm, case_instance_norm],
     "fft": [case_fft],

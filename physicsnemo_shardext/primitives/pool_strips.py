@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F401 - the examples (doctests) use it
 
 from physicsnemo_shardext.primitives.index_exchange import plan_exchange, start_fetch_rows, start_return_rows
 from physicsnemo_shardext.primitives.layout import DimLayout
@@ -239,12 +239,11 @@ def _pool_forward(
 
 
 def _main_pool(local: torch.Tensor, g: PoolStrips, args: _PoolArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The block pooled as it is, padded by ``g.q`` rows: this rank's rows, the edge rows still wrong."""
+    """The block pooled as it is, padded by ``g.q`` rows: this rank's rows (edge rows still wrong), and a max pool's indices of every main row."""
     d = args.dim
     values, indices = args.pool(local, args.padding)
-    if values.shape[d] != g.outputs:
+    if values.shape[d] != g.outputs:  # the indices keep every main row: the backward's shape, no copy
         values = values.narrow(d, 0, g.outputs).contiguous()
-        indices = indices.narrow(d, 0, g.outputs).contiguous() if indices is not None else None
     return values, indices
 
 
@@ -294,16 +293,15 @@ def _pool_backward(
     if halo_grads_ready is not None:
         halo_grads_ready(grad_top, grad_bottom)
     main_rows = (size + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
-    # The replaced rows take no gradient through the main pool.
+    # The replaced rows take no gradient through the main pool, nor do the main pool's
+    # rows past this rank's last: one zeroed buffer with the kept rows copied in.
     main_grad = grad
-    if g.top_outputs or g.bottom_outputs:
-        main_grad = grad.clone()
-        main_grad.narrow(d, 0, g.top_outputs).zero_()
-        main_grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs).zero_()
-    if main_rows != g.outputs:
-        tail = [0, 0] * (grad.ndim - 1 - d) + [0, main_rows - g.outputs]
-        main_grad = F.pad(main_grad, tail)
-        indices = F.pad(indices, tail) if indices is not None else None
+    if g.top_outputs or g.bottom_outputs or main_rows != g.outputs:
+        shape = list(grad.shape)
+        shape[d] = main_rows
+        main_grad = grad.new_zeros(shape)
+        kept = g.outputs - g.top_outputs - g.bottom_outputs
+        main_grad.narrow(d, g.top_outputs, kept).copy_(grad.narrow(d, g.top_outputs, kept))
     grad_local = args.pool_backward(main_grad, local, args.padding, indices)
     if top_edge is not None:
         grad_local.narrow(d, 0, g.top_edge).add_(top_edge)

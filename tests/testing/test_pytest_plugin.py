@@ -141,7 +141,7 @@ def test_no_worker_left_behind_in_this_process() -> None:
     children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
     # Spawned ranks run ``spawn_main``; multiprocessing's resource tracker is not a rank.
     workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-    assert len(workers) <= 2 + 4, workers
+    assert len(workers) <= 1 + 2 + 4, workers  # the suite's worlds: 1, 2 and 4 ranks
 
 
 def test_torchrun_world_size_mismatch_skips_with_reason(pytester: pytest.Pytester, monkeypatch) -> None:
