@@ -12,8 +12,10 @@ the pool of a small strip: the halo rows and the block's edge rows.
 Autograd saves the block (no copy), the halo rows and, for a max pool, the main
 pool's indices (as a single-process max pool saves its indices). The backward first
 forms the strips' gradients and starts sending the halo rows' back to their owners,
-then routes the main rows' gradient into one block-sized buffer, adds the edge
-rows' into it, and finally the returned halo gradients. It is built from
+then runs the main pool's backward on the whole output gradient (one block-sized
+buffer, no copy of the output gradient), takes the replaced rows' share back out
+of the edge rows (recomputed on a sub-block of a few rows), adds the strips' edge
+rows into it, and finally the returned halo gradients. It is built from
 differentiable ops, so second-order gradients work as for a plain pool.
 
 `pool_strip_geometry` decides per coordinate from global sizes only, so every rank
@@ -293,21 +295,65 @@ def _pool_backward(
     if halo_grads_ready is not None:
         halo_grads_ready(grad_top, grad_bottom)
     main_rows = (size + 2 * g.q - args.kernel[d - 2]) // args.stride[d - 2] + 1
-    # The replaced rows take no gradient through the main pool, nor do the main pool's
-    # rows past this rank's last: one zeroed buffer with the kept rows copied in.
-    main_grad = grad
-    if g.top_outputs or g.bottom_outputs or main_rows != g.outputs:
+    bottom_sub = _bottom_sub_start(g, args)
+    if main_rows == g.outputs and bottom_sub is not None:
+        # The main pool's backward of the whole output gradient, then the replaced rows'
+        # share taken back out of the edge rows: no output-sized buffer.
+        grad_local = args.pool_backward(grad, local, args.padding, indices)
+        if g.top_outputs:
+            rows = grad.narrow(d, 0, g.top_outputs)
+            grad_local.narrow(d, 0, g.top_edge).sub_(_main_rows_backward(rows, local, 0, g.top_edge, 0, args))
+        if g.bottom_outputs:
+            rows = grad.narrow(d, g.outputs - g.bottom_outputs, g.bottom_outputs)
+            first = (g.outputs - g.bottom_outputs) * args.stride[d - 2] - g.q - (bottom_sub - g.q)
+            wrong = _main_rows_backward(rows, local, bottom_sub, size, first // args.stride[d - 2], args)
+            grad_local.narrow(d, bottom_sub, size - bottom_sub).sub_(wrong)
+    else:
+        # The replaced rows take no gradient through the main pool, nor do the main pool's
+        # rows past this rank's last: one zeroed buffer with the kept rows copied in.
         shape = list(grad.shape)
         shape[d] = main_rows
         main_grad = grad.new_zeros(shape)
         kept = g.outputs - g.top_outputs - g.bottom_outputs
         main_grad.narrow(d, g.top_outputs, kept).copy_(grad.narrow(d, g.top_outputs, kept))
-    grad_local = args.pool_backward(main_grad, local, args.padding, indices)
+        grad_local = args.pool_backward(main_grad, local, args.padding, indices)
     if top_edge is not None:
         grad_local.narrow(d, 0, g.top_edge).add_(top_edge)
     if bottom_edge is not None:
         grad_local.narrow(d, g.bottom_start, size - g.bottom_start).add_(bottom_edge)
     return grad_local, grad_top, grad_bottom
+
+
+def _bottom_sub_start(g: PoolStrips, args: _PoolArgs) -> int | None:
+    """The block row a sub-block for the bottom replaced rows starts at, or ``None`` where none fits.
+
+    The sub-block is pooled with the main pool's padding ``q``, which masks its own first
+    ``q`` rows; it starts a whole number of strides early enough that the replaced rows'
+    windows (from ``first``) lie past that mask and keep the main pool's alignment.
+    """
+    if not g.bottom_outputs:
+        return 0
+    s = args.stride[args.dim - 2]
+    first = (g.outputs - g.bottom_outputs) * s - g.q  # the first replaced window's start, in block rows
+    start = first + g.q - -(-g.q // s) * s
+    return start if start >= 0 else None
+
+
+def _main_rows_backward(
+    rows_grad: torch.Tensor, local: torch.Tensor, start: int, stop: int, first_row: int, args: _PoolArgs
+) -> torch.Tensor:
+    """What the main pool's output rows (``rows_grad``, from the sub-block's output row ``first_row``) give block rows ``start:stop``.
+
+    The main pool's backward restricted to a few rows: the sub-block ``local[start:stop]``
+    pooled with the main pool's padding has the main pool's windows for those rows.
+    """
+    d = args.dim
+    sub = local.narrow(d, start, stop - start)
+    values, indices = args.pool(sub.detach(), args.padding)
+    shape = list(values.shape)
+    sub_grad = rows_grad.new_zeros(shape)
+    sub_grad.narrow(d, first_row, rows_grad.shape[d]).copy_(rows_grad)
+    return args.pool_backward(sub_grad, sub, args.padding, indices)
 
 
 class _StripPool(torch.autograd.Function):
