@@ -300,7 +300,7 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
                 f"placements {placements_of(x)}: dim {d} is sharded and no other dim is free to take "
                 "the shard (every other dim is sharded or absent)"
             )
-        local = _move(local, layouts, d, partner)
+        local = _move(local, layouts, d, partner, restore=kind in ("inv", "c2r"))
 
     # Pencil: a shard parked on an untransformed dim (batch/channel) that the input did not
     # shard goes to a transformed dim left free, so the spectrum is sharded only on frequency
@@ -309,7 +309,7 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
         for d in [t for t in layouts if t not in dims and t not in input_sharded]:
             free = [t for t in reversed(done) if t not in layouts]
             if free:
-                local = _move(local, layouts, d, free[0])
+                local = _move(local, layouts, d, free[0], restore=kind in ("inv", "c2r"))
 
     placements = list(placements_of(x))
     for d, layout in layouts.items():
@@ -320,17 +320,22 @@ def sharded_fft(x: ShardTensor, call: FftCall) -> ShardTensor:
     return build_shard_tensor(local, mesh_of(x), placements, {d: l.sizes for d, l in layouts.items()})
 
 
-def _move(local: torch.Tensor, layouts: dict[int, DimLayout], d: int, partner: int) -> torch.Tensor:
+def _move(local: torch.Tensor, layouts: dict[int, DimLayout], d: int, partner: int, restore: bool) -> torch.Tensor:
     """Move ``d``'s shard to ``partner`` (updating ``layouts``), recording ``d``'s split for the inverse.
 
-    The destination takes the split recorded when a shard last left a dim of the same position
-    (from the end) and length on that mesh dim, else a balanced split.
+    With ``restore`` (an inverse transform) the destination takes the split recorded when a
+    shard last left a dim of the same position (from the end) and length on that mesh dim,
+    so ``irfft2(rfft2(x))`` has ``x``'s split; otherwise, and where none is recorded, a
+    balanced split. A forward transform does not restore: the split an inverse left on the
+    frequency dim may be lopsided (an FNO's zero-padded modes: 16/117 on 2 ranks), and
+    restoring it would keep the next layer's spectrum mostly on one rank.
     """
     ndim = local.ndim
     layout = layouts.pop(d)
     _SPLIT_RECORD[_record_key(layout, ndim, layout.total)] = layout.sizes
     partner_key = (id(layout.mesh), layout.mesh_dim, partner - ndim, local.shape[partner])
-    dst_sizes = _SPLIT_RECORD.get(partner_key) or balanced_split_sizes(local.shape[partner], layout.parts)
+    recorded = _SPLIT_RECORD.get(partner_key) if restore else None
+    dst_sizes = recorded or balanced_split_sizes(local.shape[partner], layout.parts)
     local = move_shard(local, layout, partner, dst_sizes)
     layouts[partner] = DimLayout(partner, layout.mesh_dim, tuple(dst_sizes), layout.coord, layout.mesh)
     return local

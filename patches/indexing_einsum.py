@@ -270,6 +270,11 @@ def sharded_getitem(
     except _Unsupported:
         return fallback(func, args, kwargs)
     local = local_of(x)[plan.local_index]
+    if local.numel() == 0:
+        # An empty view would keep the whole block alive wherever it is saved for a backward
+        # (an FNO rank holding no low modes saved its whole spectrum, 7.5 MiB a layer); its
+        # clone owns no bytes. (torch calls an empty view contiguous: .contiguous() keeps it.)
+        local = local.clone()
     return build_shard_tensor(local, mesh_of(x), _placements_for(x, plan), plan.out_sizes)
 
 

@@ -208,7 +208,10 @@ def clone_local(
         ((Shard(dim=3),), True, True)
     """
     x, *rest = args
-    return from_local_like(func(local_of(x), *rest, **kwargs), x)
+    out = func(local_of(x), *rest, **kwargs)
+    if out.numel() == 0 and out.untyped_storage().nbytes() > 0:
+        out = out.clone()  # an empty view is "contiguous" to torch; it must not pin its base's bytes
+    return from_local_like(out, x)
 
 
 @eager_handler

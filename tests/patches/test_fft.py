@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import physicsnemo_shardext
@@ -97,6 +98,29 @@ def test_rfft2_placement_and_roundtrip_restore_the_split(domain_mesh, split):
     roundtrip = lambda t: torch.fft.irfft2(torch.fft.rfft2(t, norm="ortho"), s=(8, 10), norm="ortho")  # noqa: E731
     report = check_conformance(roundtrip, [x], spec)
     assert report.comms.forward.counts == {"c10d.alltoall_base_": 2}
+
+
+@pytest.mark.multirank(2)
+def test_a_forward_transform_takes_a_balanced_split_not_the_one_an_inverse_left(domain_mesh):
+    # An FNO layer: low modes zero-padded back to full width leave the frequency dim split
+    # 4/2 (all modes on rank 0, the padding on the last rank); the inverse records that split,
+    # and the next layer's forward transform must not restore it.
+    x = torch.randn(1, 2, 8, 10)
+    X = torch.fft.rfft2(shard_tensor(x, domain_mesh, [Shard(2)], [5, 3]))
+    assert _spectrum_split(X) == [3, 3]
+    padded = F.pad(X[..., :2], (0, 4))
+    assert _spectrum_split(padded) == [2, 4]
+    y = torch.fft.irfft2(padded, s=(8, 10))
+    assert [s[2] for s in y._spec.sharding_shapes()[0]] == [5, 3]  # the inverse restores x's split
+    assert _spectrum_split(torch.fft.rfft2(y)) == [3, 3]
+    torch.testing.assert_close(
+        torch.fft.rfft2(y).full_tensor(),
+        torch.fft.rfft2(torch.fft.irfft2(F.pad(torch.fft.rfft2(x)[..., :2], (0, 4)), s=(8, 10))),
+    )
+
+
+def _spectrum_split(t) -> list[int]:
+    return [s[3] for s in t._spec.sharding_shapes()[0]]
 
 
 @pytest.mark.multirank(2)

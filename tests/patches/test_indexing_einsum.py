@@ -51,6 +51,22 @@ def test_slice_gives_uneven_shards_with_empty_ones(domain_mesh):
 
 
 @pytest.mark.multirank(2)
+def test_an_empty_slice_does_not_pin_its_block(domain_mesh, rank):
+    # A rank holding none of the sliced rows gets an empty block that owns no bytes: an empty
+    # view of the whole block, saved for a backward, kept an FNO's spectrum alive per layer.
+    xs = shard_tensor(torch.randn(1, 2, 4, 9), domain_mesh, [Shard(3)], [5, 4], requires_grad=True)
+    low = xs[..., :4]
+    assert low.to_local().untyped_storage().nbytes() == (0 if rank == 1 else xs.to_local().untyped_storage().nbytes())
+    contiguous = xs.transpose(2, 3)[:, :, :4].contiguous()
+    if rank == 1:
+        assert contiguous.to_local().numel() == 0 and contiguous.to_local().untyped_storage().nbytes() == 0
+    (low * 2).sum().backward()  # still connected: rank 0's rows get their gradient
+    expected = torch.zeros(1, 2, 4, 9)
+    expected[..., :4] = 2
+    torch.testing.assert_close(xs.grad.full_tensor(), expected)
+
+
+@pytest.mark.multirank(2)
 def test_other_index_forms_keep_the_fallback_values(domain_mesh):
     x = torch.randn(2, 3, 6, 8)
     xs = shard_tensor(x, domain_mesh, [Shard(3)], [4, 4])
