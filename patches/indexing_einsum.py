@@ -270,11 +270,6 @@ def sharded_getitem(
     except _Unsupported:
         return fallback(func, args, kwargs)
     local = local_of(x)[plan.local_index]
-    if local.numel() == 0:
-        # An empty view would keep the whole block alive wherever it is saved for a backward
-        # (an FNO rank holding no low modes saved its whole spectrum, 7.5 MiB a layer); its
-        # clone owns no bytes. (torch calls an empty view contiguous: .contiguous() keeps it.)
-        local = local.clone()
     return build_shard_tensor(local, mesh_of(x), _placements_for(x, plan), plan.out_sizes)
 
 
@@ -681,7 +676,7 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
                         f"index {letter!r}, the sharded operand {sum(sizes)}"
                     )
                 local = local.narrow(d, layout.start, layout.local_size)
-        locals_.append(local)
+        locals_.append(_unpinned(local))
     result = torch.einsum(",".join(subscripts) + "->" + out, *locals_)
     placements: list[Any] = [Replicate()] * mesh.ndim
     dim_sizes = {}
@@ -695,6 +690,25 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     # The total is replicated and its cotangent is the same on every rank: each rank's rows get it unchanged.
     result = sum_to_replicated(result, mesh, sorted(summed))
     return build_shard_tensor(result, mesh, placements, dim_sizes)
+
+
+def _unpinned(local: torch.Tensor) -> torch.Tensor:
+    """``local``, or a clone of it where it is empty but views a block with bytes.
+
+    The einsum saves its operands for the backward; an empty view saved there would keep
+    the whole block it views alive until the backward (an FNO rank holding none of the low
+    modes saved its whole spectrum, 7.5 MiB a layer). The clone owns no bytes and passes
+    the gradient on. Only the einsum's own operand is cloned: the caller's view keeps
+    torch's view semantics (an in-place write through it still reaches its base).
+
+    Examples:
+        >>> block = torch.zeros(4, 8)
+        >>> _unpinned(block[:, :0]).untyped_storage().nbytes(), _unpinned(block) is block
+        (0, True)
+    """
+    if local.numel() == 0 and local.untyped_storage().nbytes() > 0:
+        return local.clone()
+    return local
 
 
 # -- matmul -------------------------------------------------------------------------------

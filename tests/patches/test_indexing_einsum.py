@@ -51,19 +51,29 @@ def test_slice_gives_uneven_shards_with_empty_ones(domain_mesh):
 
 
 @pytest.mark.multirank(2)
-def test_an_empty_slice_does_not_pin_its_block(domain_mesh, rank):
-    # A rank holding none of the sliced rows gets an empty block that owns no bytes: an empty
-    # view of the whole block, saved for a backward, kept an FNO's spectrum alive per layer.
+def test_an_einsum_of_an_empty_mode_slice_does_not_pin_the_block(domain_mesh, rank):
+    # FNO's mode product: rank 1 holds none of the low modes, so its slice is an empty view of
+    # its whole block. The einsum must not save that view for the backward (it would keep
+    # the block alive); the slice itself stays a view (torch's semantics).
     xs = shard_tensor(torch.randn(1, 2, 4, 9), domain_mesh, [Shard(3)], [5, 4], requires_grad=True)
-    low = xs[..., :4]
-    assert low.to_local().untyped_storage().nbytes() == (0 if rank == 1 else xs.to_local().untyped_storage().nbytes())
-    contiguous = xs.transpose(2, 3)[:, :, :4].contiguous()
-    if rank == 1:
-        assert contiguous.to_local().numel() == 0 and contiguous.to_local().untyped_storage().nbytes() == 0
-    (low * 2).sum().backward()  # still connected: rank 0's rows get their gradient
-    expected = torch.zeros(1, 2, 4, 9)
-    expected[..., :4] = 2
-    torch.testing.assert_close(xs.grad.full_tensor(), expected)
+    weight = torch.randn(2, 3, 4, requires_grad=True)
+    low = xs[..., :4].contiguous()
+    saved: list[int] = []
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, ShardTensor) else t
+        saved.append(local.untyped_storage().nbytes() if local.numel() == 0 else 0)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = torch.einsum("bixy,ioy->boxy", low, weight)
+    assert sum(saved) == 0, saved  # no empty tensor saved that holds bytes
+    (out * 2).sum().backward()
+    full = xs.full_tensor().detach().requires_grad_(True)
+    plain_weight = weight.detach().clone().requires_grad_(True)
+    (torch.einsum("bixy,ioy->boxy", full[..., :4], plain_weight) * 2).sum().backward()
+    torch.testing.assert_close(xs.grad.full_tensor(), full.grad)
+    torch.testing.assert_close(weight.grad, plain_weight.grad)
 
 
 @pytest.mark.multirank(2)
