@@ -676,7 +676,11 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
                         f"index {letter!r}, the sharded operand {sum(sizes)}"
                     )
                 local = local.narrow(d, layout.start, layout.local_size)
-        locals_.append(_unpinned(local))
+        if local.numel() == 0 and local.untyped_storage().nbytes() > 0:
+            # Saved by the einsum, an empty view keeps its whole block alive until the backward
+            # (an FNO rank without low modes kept its spectrum); a clone owns no bytes.
+            local = local.clone()
+        locals_.append(local)
     result = torch.einsum(",".join(subscripts) + "->" + out, *locals_)
     placements: list[Any] = [Replicate()] * mesh.ndim
     dim_sizes = {}
@@ -690,25 +694,6 @@ def _local_einsum(equation: str, operands: Sequence[Any]) -> ShardTensor:
     # The total is replicated and its cotangent is the same on every rank: each rank's rows get it unchanged.
     result = sum_to_replicated(result, mesh, sorted(summed))
     return build_shard_tensor(result, mesh, placements, dim_sizes)
-
-
-def _unpinned(local: torch.Tensor) -> torch.Tensor:
-    """``local``, or a clone of it where it is empty but views a block with bytes.
-
-    The einsum saves its operands for the backward; an empty view saved there would keep
-    the whole block it views alive until the backward (an FNO rank holding none of the low
-    modes saved its whole spectrum, 7.5 MiB a layer). The clone owns no bytes and passes
-    the gradient on. Only the einsum's own operand is cloned: the caller's view keeps
-    torch's view semantics (an in-place write through it still reaches its base).
-
-    Examples:
-        >>> block = torch.zeros(4, 8)
-        >>> _unpinned(block[:, :0]).untyped_storage().nbytes(), _unpinned(block) is block
-        (0, True)
-    """
-    if local.numel() == 0 and local.untyped_storage().nbytes() > 0:
-        return local.clone()
-    return local
 
 
 # -- matmul -------------------------------------------------------------------------------
