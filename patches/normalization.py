@@ -30,7 +30,9 @@ single-process (values, input and parameter gradients):
 
 * ``Partial`` inputs of batch (training and eval), instance, layer and RMS norm: the
   fallback sums the terms first (output ``Replicate``), and every term gets the
-  whole gradient;
+  whole gradient; for batch norm in training and instance norm the handler sums them
+  itself before delegating (see `_delegate_summed`: torch 2.12's fallback alone is
+  rank-divergent there);
 * calls torch itself rejects (batch norm of rank < 2, instance norm of rank < 3, eval /
   ``use_input_stats=False`` without running statistics): the delegate raises torch's error.
 
@@ -74,7 +76,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from physicsnemo_shardext import FunctionHandler, MissingShardPatch, PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
@@ -125,6 +127,26 @@ def _param(t: Any, x: ShardTensor, op: str, name: str) -> torch.Tensor | None:
     if t is None:
         return None
     return sum_grad_over(replicated_local(t, f"{op}: {name}"), mesh_of(x), sharding_mesh_dims(x))
+
+
+def _delegate_summed(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any], x: Any
+) -> Any:
+    """Delegate a norm of the ``Partial`` input ``x`` after summing its terms (Partial -> Replicate).
+
+    The fallback sums the terms itself, but keeps the ``Partial`` input for the backward;
+    torch 2.12's strategies for ``native_batch_norm_backward`` of a ``Partial`` input tie
+    (a ``Replicate`` or a ``Partial`` gradient) and the tie falls differently on each rank
+    (set order of placements follows the per-process hash seed), so the ranks' collectives
+    mismatch and gradients come back silently wrong (seen on 2 CPU ranks). Summed first,
+    the backward sees a ``Replicate`` input and every rank takes the same path.
+    """
+    summed = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+    if args and args[0] is x:
+        return delegate(func, types, (summed, *args[1:]), kwargs)
+    if kwargs.get("input") is x:
+        return delegate(func, types, args, {**kwargs, "input": summed})
+    return delegate(func, types, args, kwargs)
 
 
 def _buffer(t: Any, op: str, name: str) -> torch.Tensor | None:
@@ -378,9 +400,11 @@ def batch_norm_handler(
     op = "batch_norm"
     a = bind_arguments(F.batch_norm, args, kwargs)
     x = a["input"]
+    if is_partial(x) and a["training"]:
+        return _delegate_summed(func, types, args, kwargs, x)
     if is_partial(x) or x.dim() < 2 or (not a["training"] and _no_stats(a)):
-        # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors
-        # (rank < 2, eval without running statistics) come back.
+        # Checked on 2 ranks: the fallback keeps an eval norm of a Partial input right; torch's
+        # own errors (rank < 2, eval without running statistics) come back.
         return delegate(func, types, args, kwargs)
     layouts = _channel_layouts(x, op, min_rank=2)
     running_mean, running_var = (
@@ -543,9 +567,10 @@ def instance_norm_handler(
     op = "instance_norm"
     a = bind_arguments(F.instance_norm, args, kwargs)
     x = a["input"]
-    if is_partial(x) or x.dim() < 3 or (not a["use_input_stats"] and _no_stats(a)):
-        # Checked on 2 ranks: the fallback sums a Partial input first; torch's own errors come back.
-        return delegate(func, types, args, kwargs)
+    if is_partial(x):
+        return _delegate_summed(func, types, args, kwargs, x)
+    if x.dim() < 3 or (not a["use_input_stats"] and _no_stats(a)):
+        return delegate(func, types, args, kwargs)  # torch's own errors come back
     layouts = _channel_layouts(x, op, min_rank=3)
     running_mean, running_var = (
         _buffer(a["running_mean"], op, "running_mean"),

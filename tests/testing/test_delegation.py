@@ -37,6 +37,8 @@ def test_squaring_each_term_is_caught(domain_mesh, rank):
     full = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     with pytest.raises(AssertionError, match="installed"):
         check_delegation(per_term_square, full, domain_mesh, rank, "roll_flip")
+    with pytest.raises(AssertionError, match="installed"):  # without the disabled run, still caught
+        check_delegation(per_term_square, full, domain_mesh, rank, "roll_flip", against_disabled=False)
 
 
 @pytest.mark.multirank(2)
