@@ -259,3 +259,25 @@ def test_halo_overlap_benchmark_times_both_variants_forward_and_backward_on_2_ra
     rows = re.findall(r"^\| (\d) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
     assert [r[:2] for r in rows] == [(rank, p) for rank in "01" for p in ("forward", "backward")], result.stdout
     assert all(float(v) > 0 for r in rows for v in r[2:]), result.stdout
+
+
+def test_reshard_benchmark_counts_and_times_both_methods_on_2_ranks():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "reshard.py"), "--ranks", "2", "--size", "1x2x16x8", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(
+        r"^\| (S\(H\)->S\(W\) \w+|S\(H\)->R \w+|R->S\(W\)) \| (\d) \| (.+?) \| (\d), (.+?) \| (\d), (.+?) \|",
+        result.stdout,
+        re.M,
+    )
+    assert {(r[0], r[1]) for r in rows} == {
+        (m, k) for m in ("S(H)->S(W) uneven", "S(H)->S(W) even", "S(H)->R uneven", "R->S(W)") for k in "01"
+    }, result.stdout
+    for move, _, bound, calls, ours, their_calls, theirs in rows:
+        assert ours == bound, (move, ours, bound)  # at the analytic bound
+        if move.startswith("S(H)->S(W)"):  # one all-to-all of half of what PhysicsNeMo's sends
+            assert calls == their_calls == "1" and ours != theirs, (move, ours, theirs)
