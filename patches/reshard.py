@@ -26,6 +26,9 @@ a call under a ``torch.compile`` trace (PhysicsNeMo's uses functional
 collectives there), and anything PhysicsNeMo refuses itself (a ``Partial``
 target, no placements).
 
+Refused (``MissingShardPatch``): nothing. A move this plugin does not serve runs
+PhysicsNeMo's method, and that method's own errors come back unchanged.
+
 Examples:
     On 2 ranks, a height split 7 + 3 becomes a width split (chunk sizes 3 + 2):
 
@@ -51,10 +54,18 @@ from torch.distributed.tensor.placement_types import Placement
 
 from physicsnemo_shardext import PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
-from physicsnemo_shardext.primitives import DimLayout, all_gather_rows, build_shard_tensor, is_tracing, local_of
-from physicsnemo_shardext.primitives.higher_order import linear_backward
-from physicsnemo_shardext.primitives.layout import sharded_dims
-from physicsnemo_shardext.primitives.transpose import move_shard
+from physicsnemo_shardext.primitives import (
+    DimLayout,
+    all_gather_rows,
+    build_shard_tensor,
+    is_tracing,
+    linear_backward,
+    local_of,
+    mesh_of,
+    move_shard,
+    placements_of,
+    sharded_dims,
+)
 
 __all__ = ["chunk_sizes", "fast_redistribute"]
 
@@ -113,7 +124,7 @@ def _sizes_after(layouts: dict[int, DimLayout], drop: int | None) -> dict[int, t
 
 def _serve(x: ShardTensor, placements: tuple[Placement, ...]) -> ShardTensor | None:
     """The moved tensor when this plugin serves the move, else None (the caller delegates)."""
-    source = tuple(x._spec.placements)
+    source = tuple(placements_of(x))
     if len(placements) != len(source) or any(p.is_partial() for p in source + placements):
         return None
     changed = [m for m, (a, b) in enumerate(zip(source, placements)) if a != b]
@@ -126,16 +137,19 @@ def _serve(x: ShardTensor, placements: tuple[Placement, ...]) -> ShardTensor | N
     if len(set(shard_dims)) != len(shard_dims) or len(set(target_dims)) != len(target_dims):
         return None  # a dim sharded by two mesh dims
     layouts = sharded_dims(x)
-    mesh = x._spec.mesh
+    block = local_of(x)
+    if any(block.shape[d] != layout.local_size for d, layout in layouts.items()):
+        return None  # a spec that no longer describes the block (an out= write resized it): PhysicsNeMo's call
+    mesh = mesh_of(x)
     if isinstance(old, Shard) and isinstance(new, Shard):
         layout = layouts[old.dim]
         dst_sizes = chunk_sizes(x.shape[new.dim], layout.parts)
-        local = move_shard(local_of(x), layout, new.dim, dst_sizes)
+        local = move_shard(block, layout, new.dim, dst_sizes)
         sizes = _sizes_after(layouts, old.dim)
         sizes[new.dim] = dst_sizes
         return build_shard_tensor(local, mesh, placements, sizes)
     if isinstance(old, Shard) and isinstance(new, Replicate):
-        local = _gather_apply(local_of(x), layouts[old.dim], mesh)
+        local = _gather_apply(block, layouts[old.dim], mesh)
         return build_shard_tensor(local, mesh, placements, _sizes_after(layouts, old.dim))
     return None
 
@@ -157,7 +171,7 @@ def fast_redistribute(original: Callable[..., ShardTensor]) -> Callable[..., Sha
         *,
         async_op: bool = False,
     ) -> ShardTensor:
-        mesh = self._spec.mesh
+        mesh = mesh_of(self)
         if placements is not None and (device_mesh is None or device_mesh is mesh) and not is_tracing((self,)):
             moved = _serve(self, _normalized(placements, self.ndim))
             if moved is not None:
