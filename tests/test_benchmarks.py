@@ -281,3 +281,70 @@ def test_reshard_benchmark_counts_and_times_both_methods_on_2_ranks():
         assert ours == bound, (move, ours, bound)  # at the analytic bound
         if move.startswith("S(H)->S(W)"):  # one all-to-all of half of what PhysicsNeMo's sends
             assert calls == their_calls == "1" and ours != theirs, (move, ours, theirs)
+
+
+def test_scaling_projection_has_every_gpu_count_and_efficiency_never_rises(tmp_path):
+    # The checked-in measurement and H100 times: no ranks started; the table and the figure.
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "scaling_projection.py"), "--plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "PROJECTION, not a measurement" in out
+    header = re.search(r"^\| model \| field \| fabric \| (.*) \|$", out, re.M)
+    assert header is not None and header.group(1).split(" | ") == ["1", "2", "4", "8", "16", "32", "64"], out
+    rows = re.findall(
+        r"^\| (FNO|Pix2Pix|UNet 3-D|ViT) \| ([^|]+) \| (NVLink \(IB beyond 8\)|IB only) \| (.*) \|$", out, re.M
+    )
+    assert len(rows) == 4 * 2 * 2, out  # 4 models x 2 fields x 2 fabrics
+    for model, field, fabric, cells in rows:
+        efficiency = [float(c.rstrip("†")) for c in cells.split(" | ")]
+        assert len(efficiency) == 7 and efficiency[0] == 1.0, (model, field, fabric, cells)
+        assert all(0 <= e <= 1 for e in efficiency), (model, field, fabric, cells)
+        # E(N) = T(1) / (N T(N)): host time and communication never shrink with N, so E never rises
+        assert all(a >= b for a, b in zip(efficiency, efficiency[1:])), (model, field, fabric, cells)
+    # the fitted laws reproduce every measured point within 5% (bytes) and exactly (calls)
+    laws = re.findall(r"^\| [^|]+ \| \w+ \| [^|]+ \| [^|]+ \| \d+ \| ([\d.]+)% \| ([\d.]+)% \|$", out, re.M)
+    assert len(laws) == 8 and all(float(b) < 5 and float(c) < 0.5 for b, c in laws), out
+    detail = re.findall(r"^\| (\d+)†? \| [\d.]+ \| [\d.]+ \|", out.split("FNO 2048^2 (ms per training step")[1], re.M)
+    assert [int(n) for n in detail[:7]] == [1, 2, 4, 8, 16, 32, 64]
+    assert "PROJECTION" in (tmp_path / "scaling-projection.svg").read_text()
+
+
+def test_scaling_projection_measures_collectives_and_ops_on_2_ranks(tmp_path):
+    # FNO at 32x32 on 2 gloo ranks: every rank hands bytes to the spectral all-to-alls and to the
+    # weight-gradient all-reduces, and the step's ShardTensor ops are counted.
+    report = tmp_path / "proj.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "scaling_projection.py"),
+            "--measure",
+            "--models",
+            "fno",
+            "--res",
+            "32",
+            "--ranks",
+            "2",
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    measured = json.loads(report.read_text())
+    (run,) = measured["runs"]
+    assert run["model"] == "fno" and run["ranks"] == 2 and run["input_shape"] == [1, 3, 32, 32]
+    assert len(run["per_rank"]) == 2
+    for rank in run["per_rank"]:
+        assert rank["ops"]["forward"]["function"] > 10, rank["ops"]  # one per sharded op of the forward
+        moved = {k: rank["forward"].get(k, [0, 0])[1] + rank["backward"].get(k, [0, 0])[1] for k in rank["backward"]}
+        assert moved["alltoall_base_"] > 0 and moved["allreduce_"] > 0, rank
+    assert "| FNO | alltoall_base_ |" in result.stdout and "| FNO | 2048^2 | IB only | 1.00 |" in result.stdout

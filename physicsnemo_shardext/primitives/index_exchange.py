@@ -160,22 +160,41 @@ def _cached_plan(sizes: tuple[int, ...], me: int, wanted: tuple[range | tuple[in
     )
 
 
+def _start_all_to_all(
+    pieces: list[torch.Tensor], recv_counts: Sequence[int], layout: DimLayout, like: torch.Tensor
+) -> Callable[[], list[torch.Tensor]]:
+    """Start sending ``pieces[c]`` (rows along dim 0) to coordinate ``c``; return a wait for what each sent here.
+
+    ``recv_counts[c]`` is how many rows coordinate ``c`` sends here. The returned
+    function waits for the collective and returns the received rows in coordinate order.
+    """
+    order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
+    send = torch.cat([pieces[c] for c in order]).contiguous()
+    counts = [int(recv_counts[c]) for c in order]
+    recv = like.new_empty((sum(counts),) + tuple(like.shape[1:]))
+    work = dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=counts,
+        input_split_sizes=[int(pieces[c].shape[0]) for c in order],
+        group=layout.group,
+        async_op=True,
+    )
+
+    def wait() -> list[torch.Tensor]:
+        if work is not None:
+            work.wait()
+        received = dict(zip(order, recv.split(counts)))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
+        return [received[c] for c in range(layout.parts)]
+
+    return wait
+
+
 def _all_to_all_rows(
     pieces: list[torch.Tensor], recv_counts: Sequence[int], layout: DimLayout, like: torch.Tensor
 ) -> list[torch.Tensor]:
     """Send ``pieces[c]`` (rows along dim 0) to coordinate ``c``; return what each coordinate sent here."""
-    order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
-    send = torch.cat([pieces[c] for c in order]).contiguous()
-    recv = like.new_empty((sum(recv_counts),) + tuple(like.shape[1:]))
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=[int(recv_counts[c]) for c in order],
-        input_split_sizes=[int(pieces[c].shape[0]) for c in order],
-        group=layout.group,
-    )
-    received = dict(zip(order, recv.split([int(recv_counts[c]) for c in order])))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
-    return [received[c] for c in range(layout.parts)]
+    return _start_all_to_all(pieces, recv_counts, layout, like)()
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -340,25 +359,12 @@ def start_fetch_rows(local: torch.Tensor, layout: DimLayout, plan: ExchangePlan)
             _put(out, plan.self_positions, _take(rows_first, plan.self_rows))
         if not plan.crosses:
             return lambda: out.movedim(0, d)
-        order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
         pieces = [_take(rows_first, rows) if rows else rows_first[:0] for rows in plan.send_rows]
-        send = torch.cat([pieces[c] for c in order]).contiguous()
-        recv_counts = [len(plan.recv_positions[c]) for c in order]
-        recv = rows_first.new_empty((sum(recv_counts),) + tuple(rows_first.shape[1:]))
-        work = dist.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=recv_counts,
-            input_split_sizes=[int(pieces[c].shape[0]) for c in order],
-            group=layout.group,
-            async_op=True,
-        )
+        wait = _start_all_to_all(pieces, [len(p) for p in plan.recv_positions], layout, rows_first)
 
     def finish() -> torch.Tensor:
-        if work is not None:
-            work.wait()
         with torch.no_grad():
-            for c, received in zip(order, recv.split(recv_counts)):  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
+            for c, received in enumerate(wait()):
                 if plan.recv_positions[c]:
                     _put(out, plan.recv_positions[c], received)
         return out.movedim(0, d)
@@ -399,32 +405,19 @@ def start_return_rows(grad_rows: torch.Tensor, layout: DimLayout, plan: Exchange
     with torch.no_grad():
         rows_first = grad_rows.movedim(d, 0)
         own = _take(rows_first, plan.self_positions) if plan.self_rows else None
-        work = None
+        wait = None
         if plan.crosses:
-            order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
             pieces = [_take(rows_first, p) if p else rows_first[:0] for p in plan.recv_positions]
-            send = torch.cat([pieces[c] for c in order]).contiguous()
-            recv_counts = [len(plan.send_rows[c]) for c in order]
-            recv = rows_first.new_empty((sum(recv_counts),) + tuple(rows_first.shape[1:]))
-            work = dist.all_to_all_single(
-                recv,
-                send,
-                output_split_sizes=recv_counts,
-                input_split_sizes=[int(pieces[c].shape[0]) for c in order],
-                group=layout.group,
-                async_op=True,
-            )
+            wait = _start_all_to_all(pieces, [len(rows) for rows in plan.send_rows], layout, rows_first)
 
     def finish(grad_local: torch.Tensor) -> None:
         with torch.no_grad():
             target = grad_local.movedim(d, 0)
             if own is not None:
                 _accumulate(target, plan.self_rows, own)
-            if not plan.crosses:
+            if wait is None:
                 return
-            if work is not None:
-                work.wait()
-            for c, values in zip(order, recv.split(recv_counts)):  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
+            for c, values in enumerate(wait()):
                 if plan.send_rows[c]:
                     _accumulate(target, plan.send_rows[c], values)
 
