@@ -194,23 +194,29 @@ def test_patch_moves_less_than_dtensor_fallback(domain_mesh, rank):
 
 
 @pytest.mark.multirank(2)
-def test_disjoint_windows_delegate_to_builtin_without_communication(domain_mesh):
+def test_disjoint_windows_pool_each_block_as_the_builtin_does_without_communication(domain_mesh):
+    x = torch.randn(1, 2, 16, 6)
+    for func in (F.max_pool2d, F.avg_pool2d):
+        report = check_conformance(lambda t: func(t, 2), [x], ShardSpec(domain_mesh, [Shard(2)], [10, 6]))
+        assert report.comms.forward.total_calls == 0 and report.comms.backward.total_calls == 0
+        xs = shard_tensor(x, domain_mesh, [Shard(2)], [10, 6])
+        ours = func(xs, 2)
+        builtin = physicsnemo_shardext.builtin_handler(func)(func, (), (xs, 2), {})
+        assert tuple(ours._spec.placements) == tuple(builtin._spec.placements)
+        assert ours._spec.sharding_shapes() == builtin._spec.sharding_shapes()
+        assert torch.equal(ours.to_local(), builtin.to_local())
     calls = []
     original = physicsnemo_shardext.builtin_handler
-    builtin = original(F.max_pool2d)
 
     def spy(target):
-        return lambda *a: calls.append(1) or builtin(*a)
+        return lambda *a: calls.append(1) or original(target)(*a)
 
     # Patched by hand (restored in finally): pool workers outlive a test's monkeypatch fixture.
     physicsnemo_shardext.builtin_handler = spy
     try:
-        x = torch.randn(1, 2, 16, 6)
-        report = check_conformance(lambda t: F.max_pool2d(t, 2), [x], ShardSpec(domain_mesh, [Shard(2)], [10, 6]))
-        assert calls and report.comms.forward.total_calls == 0
-        calls.clear()
+        check_conformance(lambda t: F.max_pool2d(t, 2), [x], ShardSpec(domain_mesh, [Shard(2)], [10, 6]))
         check_conformance(lambda t: F.max_pool2d(t, 2), [x], ShardSpec(domain_mesh, [Shard(2)], [9, 7]))
-        assert not calls  # odd local sizes: the window path, not the built-in
+        assert not calls  # neither the tiling case nor odd local sizes (the window path) call the built-in
     finally:
         physicsnemo_shardext.builtin_handler = original
 
