@@ -118,7 +118,8 @@ def _normalized(placements: Sequence[Placement], ndim: int) -> tuple[Placement, 
     return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements)
 
 
-def _sizes_after(layouts: dict[int, DimLayout], drop: int | None) -> dict[int, tuple[int, ...]]:
+def _sizes_after(layouts: dict[int, DimLayout], drop: int) -> dict[int, tuple[int, ...]]:
+    """Rows per coordinate of every sharded dim but ``drop`` (the one the move makes whole or moves)."""
     return {d: layout.sizes for d, layout in layouts.items() if d != drop}
 
 
@@ -188,6 +189,6 @@ def shardext_declare_patches(patches: PatchSet) -> None:
         ShardTensor,
         "redistribute",
         fast_redistribute(ShardTensor.redistribute),
-        reason="one mesh dim's Shard->Shard and Shard->Replicate moves in one collective "
-        "that sends only the rows changing owner (no padding, no own piece); every other move is delegated",
+        reason="one mesh dim's Shard->Shard (one all-to-all of only the rows that change owner) and "
+        "Shard->Replicate (one all-gather of the true rows) without rebuilding specs; every other move is delegated",
     )
