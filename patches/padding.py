@@ -21,10 +21,13 @@ Output layout: the first coordinate along a padded sharded dim grows by
 ``left`` rows and the last by ``right`` (uneven results are expected); unsharded
 dims are padded locally. Complex tensors are exchanged as their real view.
 
-Constant mode needs no communication. With non-negative pads it is delegated
-to PhysicsNeMo's built-in (correct for that case); negative constant pads
-(cropping) on sharded dims are handled here: each rank keeps the part of its
-rows that survives the crop, so a crop wider than a boundary shard is fine.
+Constant mode needs no communication. With non-negative pads every rank pads its
+block locally, in one ``F.pad``; a padded sharded dim takes the balanced split
+where every rank's rows already fall inside its balanced range (an empty rank then
+holds padding), else the first coordinate takes the left pad and the last the
+right one, as PhysicsNeMo's built-in does. Negative constant pads (cropping) on
+sharded dims: each rank keeps the part of its rows that survives the crop, so a
+crop wider than a boundary shard is fine.
 
 Delegated to the built-in (`delegate`):
 ``Partial`` inputs with zero constant, reflect or replicate padding (linear in the
@@ -60,10 +63,11 @@ import torch
 import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
-from physicsnemo_shardext import MissingShardPatch, PatchSet, builtin_handler, hookimpl
+from physicsnemo_shardext import MissingShardPatch, PatchSet, hookimpl
 from physicsnemo_shardext.patches import shardext_requirements  # noqa: F401 - the shared hook, found here by pluggy
 from physicsnemo_shardext.primitives import (
     DimLayout,
+    balanced_split_sizes,
     bind_arguments,
     connected_zeros,
     delegate,
@@ -142,6 +146,32 @@ def _exchange_pad(
     return gather_global_indices(local, layout, wanted_by), sizes
 
 
+def _constant_split(layout: DimLayout, left: int, right: int) -> tuple[list[int], tuple[int, int]]:
+    """Output rows per coordinate of a non-negative constant pad of one sharded dim, and this rank's (before, after).
+
+    Constant padding moves no data, so any split whose ranges hold each rank's own rows
+    is free. The balanced split is taken where it fits that way and is more even than
+    the default (the first coordinate takes ``left``, the last ``right``): an FNO's
+    spectrum padded from 16 kept modes to 129 on 2 ranks, 16/0 before, becomes 65/64
+    instead of 16/113, and the inverse FFT's transpose then sends half as much from
+    its busiest rank.
+    """
+    sizes = list(layout.sizes)
+    sizes[0] += left
+    sizes[-1] += right
+    default = (left if layout.coord == 0 else 0, right if layout.coord == layout.parts - 1 else 0)
+    balanced = balanced_split_sizes(layout.total + left + right, layout.parts)
+    if max(balanced) >= max(sizes):
+        return sizes, default
+    starts = [sum(balanced[:c]) for c in range(layout.parts)]
+    data = [(left + layout.offsets[c], left + layout.offsets[c] + layout.sizes[c]) for c in range(layout.parts)]
+    if not all(starts[c] <= lo and hi <= starts[c] + balanced[c] for c, (lo, hi) in enumerate(data) if hi > lo):
+        return sizes, default  # some rank's rows would have to move
+    c = layout.coord
+    before = data[c][0] - starts[c] if layout.sizes[c] else balanced[c]
+    return list(balanced), (before, balanced[c] - layout.sizes[c] - before)
+
+
 def _constant_crop_pad(
     local: torch.Tensor, layout: DimLayout, left: int, right: int, value: float
 ) -> tuple[torch.Tensor, list[int]]:
@@ -192,10 +222,14 @@ def sharded_pad(
     whole = {d for d, layout in sharded_dims(x).items() if layout.parts == 1}
     layouts = {d: layout for d, layout in sharded_dims(x).items() if d not in whole}
     on_sharded = {d: lr for d, lr in pads.items() if d in layouts and lr != (0, 0)}
-    if mode == "constant" and layouts and all(min(lr) >= 0 for lr in on_sharded.values()):
-        builtin = builtin_handler(torch.nn.functional.pad)
-        if builtin is not None:
-            return builtin(func, types, args, kwargs)
+    if mode == "constant" and all(min(lr) >= 0 for lr in on_sharded.values()):
+        # No data moves: one local pad, each padded sharded dim split by `_constant_split`.
+        amounts, new_sizes = dict(pads), {}
+        for dim, (left, right) in on_sharded.items():
+            new_sizes[dim], amounts[dim] = _constant_split(layouts[dim], left, right)
+        local = F.pad(local_of(x), _flat_pad(amounts, x.ndim, len(pad) // 2), "constant", value)
+        new_sizes.update({dim: [local.shape[dim]] for dim in whole & pads.keys()})
+        return from_local_like(local, x, sizes_by_tensor_dim=new_sizes)
     if mode != "constant" and any(min(lr) < 0 for lr in on_sharded.values()):
         raise MissingShardPatch(
             f"torch.nn.functional.pad: negative pads (cropping) {pad} along a sharded dim with mode={mode!r} "

@@ -109,14 +109,18 @@ def test_a_forward_transform_takes_a_balanced_split_not_the_one_an_inverse_left(
     X = torch.fft.rfft2(shard_tensor(x, domain_mesh, [Shard(2)], [5, 3]))
     assert _spectrum_split(X) == [3, 3]
     padded = F.pad(X[..., :2], (0, 4))
-    assert _spectrum_split(padded) == [2, 4]
+    assert _spectrum_split(padded) == [3, 3]  # a constant pad takes the balanced split where no row moves
+    expected = torch.fft.rfft2(torch.fft.irfft2(F.pad(torch.fft.rfft2(x)[..., :2], (0, 4)), s=(8, 10)))
     y = torch.fft.irfft2(padded, s=(8, 10))
     assert [s[2] for s in y._spec.sharding_shapes()[0]] == [5, 3]  # the inverse restores x's split
     assert _spectrum_split(torch.fft.rfft2(y)) == [3, 3]
-    torch.testing.assert_close(
-        torch.fft.rfft2(y).full_tensor(),
-        torch.fft.rfft2(torch.fft.irfft2(F.pad(torch.fft.rfft2(x)[..., :2], (0, 4)), s=(8, 10))),
-    )
+    torch.testing.assert_close(torch.fft.rfft2(y).full_tensor(), expected)
+    # The split a pad on the last rank used to leave (all modes on rank 0): the forward after
+    # the inverse still takes the balanced one.
+    uneven = shard_tensor(padded.full_tensor(), domain_mesh, [Shard(3)], [2, 4])
+    z = torch.fft.irfft2(uneven, s=(8, 10))
+    assert _spectrum_split(torch.fft.rfft2(z)) == [3, 3]
+    torch.testing.assert_close(torch.fft.rfft2(z).full_tensor(), expected)
 
 
 def _spectrum_split(t) -> list[int]:

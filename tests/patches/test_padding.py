@@ -93,11 +93,13 @@ def test_circular_on_four_ranks_wider_than_neighbours(domain_mesh, split):
 
 
 @pytest.mark.multirank(4)
-@pytest.mark.parametrize("mode", ["circular", "reflect"])
+@pytest.mark.parametrize("mode", ["circular", "reflect", "constant"])
 def test_pad_both_dims_of_a_2d_mesh(spatial_mesh, mode):
     x = torch.randn(1, 2, 9, 7)
     spec = ShardSpec(spatial_mesh, [Shard(2), Shard(3)], {0: [6, 3], 1: [2, 5]})
-    report = check_conformance(_pad((2, 1, 1, 2), mode), [x], spec)
+    report = check_conformance(
+        _pad((2, 1, 1, 2), mode) if mode != "constant" else _pad((2, 9, 1, 2), mode, 0.5), [x], spec
+    )
     assert report.output_placements == [(Shard(2), Shard(3))]
 
 
@@ -117,6 +119,25 @@ def test_complex_spectrum_padding(domain_mesh):
     report = check_conformance(_pad((0, 3, 0, 4), "constant", 0.0), [x], spec)
     assert report.comms.forward.total_calls == 0
     check_conformance(_pad((0, 3, 2, 4), "circular"), [x], spec)
+
+
+@pytest.mark.multirank(2)
+@pytest.mark.parametrize(
+    "split,pad,expected",
+    [([16, 0], (0, 113), [65, 64]), ([3, 3], (2, 2), [5, 5]), ([4, 0], (0, 6), [5, 5]), ([9, 7], (1, 1), [10, 8])],
+    ids=["fno-spectrum", "even", "empty-last", "data-would-move"],
+)
+def test_constant_pad_takes_the_balanced_split_where_no_row_moves(domain_mesh, split, pad, expected):
+    # An FNO pads its 16 kept modes back to 129 columns: the empty rank holds padding, not the
+    # last rank all 113 columns. Where a rank's rows would have to move, the first coordinate
+    # takes the left pad and the last the right (the last case: 10/8, not 9/9).
+    x = torch.randn(1, 2, sum(split), 3, dtype=torch.complex64)
+    spec = ShardSpec(domain_mesh, [Shard(2)], split)
+    report = check_conformance(_pad((0, 0, *pad), "constant", 0.0), [x], spec)
+    assert report.comms.forward.total_calls == 0 and report.comms.backward.total_calls == 0
+    out = F.pad(shard_tensor(x, domain_mesh, [Shard(2)], split), (0, 0, *pad))
+    assert [s[2] for s in out._spec.sharding_shapes()[0]] == expected
+    torch.testing.assert_close(out.full_tensor(), F.pad(x, (0, 0, *pad)), rtol=0, atol=0)
 
 
 @pytest.mark.multirank(2)
