@@ -30,6 +30,11 @@ its own block, and the weight's gradient, a partial sum over the shards, is summ
 over the mesh dims that shard the input in the backward pass only (DTensor has no
 sharding rule for ``aten._prelu_kernel_backward``, so the fallback's backward fails).
 
+In-place arithmetic (``add_``, ``sub_``, ``mul_``, ``div_`` and ``+=``, ``-=``, ``*=``,
+``/=``) is handed to the DTensor fallback as before (`in_place_eagerly`); it is declared
+only so that under ``torch.compile`` it breaks the graph and runs eagerly (traced, the
+fallback's update gave a replicated operand a wrong gradient).
+
 Delegated (`delegate`, to the DTensor
 fallback: PhysicsNeMo has no activation handler): calls whose first argument is
 not a ShardTensor, and ``inplace=True`` of ``silu``/``elu``/``leaky_relu``/``mish``
@@ -101,8 +106,10 @@ __all__ = [
     "CONVERSIONS",
     "ELEMENTWISE_WITH_REPLICATED",
     "INPLACE_DELEGATED",
+    "IN_PLACE_ARITHMETIC",
     "POINTWISE_ACTIVATIONS",
     "binary_with_replicated",
+    "in_place_eagerly",
     "local_conversion",
     "local_pointwise",
     "prelu_local",
@@ -335,6 +342,41 @@ def local_conversion(
     return wrap_local(func(local_of(x), *rest, **kwargs), mesh_of(x), placements_of(x), shard_shapes_of(x))
 
 
+#: In-place arithmetic: served by the DTensor fallback, as without this package, and never traced.
+IN_PLACE_ARITHMETIC: tuple[Callable[..., Any], ...] = (
+    torch.Tensor.add_,
+    torch.Tensor.sub_,
+    torch.Tensor.mul_,
+    torch.Tensor.div_,
+    torch.Tensor.__iadd__,
+    torch.Tensor.__isub__,
+    torch.Tensor.__imul__,
+    torch.Tensor.__itruediv__,
+)
+
+
+@eager_handler
+def in_place_eagerly(
+    func: Callable[..., Any], types: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``x.add_(y)``, ``x += y``... handed to the DTensor fallback; under ``torch.compile``, a graph break.
+
+    Eagerly nothing changes (`delegate`). Traced, the fallback's in-place update of a
+    ShardTensor computed in the same graph came out with a wrong gradient for a replicated
+    operand (SongUNet's ``x.add_(params)``: the weight gradient stayed a ``Partial`` term
+    of one rank), so `eager_handler` breaks the graph there instead and the update runs eagerly.
+
+    Examples:
+        >>> from torch.distributed.tensor import Shard
+        >>> from physicsnemo_shardext.testing import shard_tensor
+        >>> x = shard_tensor(torch.zeros(1, 8), mesh, [Shard(1)], [5, 3])
+        >>> y = in_place_eagerly(torch.Tensor.add_, (), (x, 1.0), {})
+        >>> y is x, torch.equal(x.full_tensor(), torch.ones(1, 8))
+        (True, True)
+    """
+    return delegate(func, types, args, kwargs)
+
+
 #: The handler of every target this family declares, with its description.
 _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
     **{
@@ -355,6 +397,10 @@ _HANDLERS: dict[Callable[..., Any], tuple[FunctionHandler, str]] = {
     },
     **{op: (binary_with_replicated, f"{describe_target(op)} on local blocks (with scalars too)") for op in COMPARISONS},
     **{op: (local_conversion, f"{describe_target(op)}: dtype conversion of the local block") for op in CONVERSIONS},
+    **{
+        op: (in_place_eagerly, f"{describe_target(op)}: the DTensor fallback, eagerly (a graph break when compiled)")
+        for op in IN_PLACE_ARITHMETIC
+    },
 }
 
 

@@ -99,9 +99,11 @@ from physicsnemo_shardext.primitives import (
     linear_backward,
     local_of,
     meta_output_shape,
+    outside_trace,
     require_shard_input,
     sharded_dims,
     split_rows_by_owner,
+    traced_constants,
 )
 
 __all__ = ["interpolate_handler", "pixel_shuffle_handler", "pixel_unshuffle_handler", "source_rows"]
@@ -503,20 +505,22 @@ def _resample_dim(
     row_bytes = local.element_size() * math.prod(s for k, s in enumerate(final) if k != d)
     rows_here = -(-out_size // max(layout.parts, 1))  # about this rank's output rows
     chunk_rows = max(1, -(-rows_here // _CHUNKS), _CHUNK_BYTES // max(row_bytes, 1))
-    plan = _dim_plan(
-        mode,
-        tuple(layout.sizes),
-        layout.coord,
-        out_size,
-        scale,
-        align_corners,
-        local.dtype,
-        local.ndim - 2,
-        d,
-        local.ndim,
-        local.device,
-        chunk_rows,
-    )
+    with outside_trace():  # the plan reads its index tensors' values: real ones, cached
+        plan = _dim_plan(
+            mode,
+            tuple(layout.sizes),
+            layout.coord,
+            out_size,
+            scale,
+            align_corners,
+            local.dtype,
+            local.ndim - 2,
+            d,
+            local.ndim,
+            local.device,
+            chunk_rows,
+        )
+    plan = traced_constants(plan, local)
     if mode in ("nearest", "bicubic") and out_size == layout.total and not plan.copies:
         # PyTorch's nearest (1-D/3-D) and bicubic kernels move rows here, but their backward
         # copies them: no sharded result can match both, so refuse rather than pick one.

@@ -80,6 +80,10 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
         "every plugin's load time"
     ),
     "SHARDEXT_PREFER": "comma-separated plugin or distribution names, most preferred first, breaking ties",
+    "SHARDEXT_COMPILE_HANDLERS": (
+        "1/true/yes/on: under torch.compile first-party handlers are traced into the graph with functional "
+        "collectives (opt-in); default: every first-party handler is a graph break and runs eagerly"
+    ),
     "SHARDEXT_TRACE": "1: wrap installed handlers and log 'op -> handler -> plugin' decisions",
     "SHARDEXT_TEST_TIMEOUT": (
         "seconds a @pytest.mark.multirank test may run before its hung ranks are reported (read by the pytest "

@@ -37,6 +37,7 @@ from physicsnemo_shardext.primitives import (
     fallback,
     from_local_like,
     is_partial,
+    is_tracing,
     local_of,
     mesh_of,
     placements_of,
@@ -66,8 +67,17 @@ def unbind_gathering_sharded_dim(
         return delegate(func, types, args, kwargs)
     dim %= x.ndim
     if dim not in sharded_dims(x):
+        if is_tracing((x,)) and all(isinstance(p, (Shard, Replicate)) for p in placements_of(x)):
+            return _unbind_local(x, dim)  # the built-in is not traced; this is what it computes
         return delegate(func, types, args, kwargs)
     return delegate(func, types, (gather_dims(x, [dim]), dim), {})
+
+
+def _unbind_local(x: ShardTensor, dim: int) -> tuple[ShardTensor, ...]:
+    """``unbind`` along a dim no mesh dim shards: the local block's pieces, each sharded dim after ``dim`` one lower."""
+    placements = [Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > dim else p for p in placements_of(x)]
+    sizes = {(d - 1 if d > dim else d): layout.sizes for d, layout in sharded_dims(x).items()}
+    return tuple(build_shard_tensor(piece, mesh_of(x), placements, sizes) for piece in local_of(x).unbind(dim))
 
 
 def _identical_shard_inputs(

@@ -42,6 +42,7 @@ from physicsnemo_shardext.primitives import (
     fallback,
     from_local_like,
     is_partial,
+    is_tracing,
     local_of,
     mesh_of,
     meta_output_shape,
@@ -559,7 +560,32 @@ def reshape_merging_sharded_dims(
             groups = _view_groups(tuple(x.shape), new_shape)
             if any(len(old) + len(new) > 2 for old, new in groups if set(old) & layouts.keys()):
                 return reshape_sharded(func, x, new_shape)
+            if is_tracing((x,)):
+                return _view_keeping_shards(func, x, new_shape, groups)
     return delegate(func, types, args, kwargs)
+
+
+def _view_keeping_shards(
+    func: Callable[..., Any], x: ShardTensor, new_shape: tuple[int, ...], groups: list[Any]
+) -> ShardTensor:
+    """A reshape/view that keeps every sharded dim whole, as a view of the local block (no exchange).
+
+    Traced calls take it instead of PhysicsNeMo's built-in, which is not traced; the
+    sizes are those of the eager result (each sharded dim keeps its rows per coordinate).
+    """
+    layouts = sharded_dims(x)
+    moved = {old[0]: new[0] for old, new in groups if old and old[0] in layouts}
+    local = local_of(x)
+    local_shape = list(new_shape)
+    for old_dim, new_dim in moved.items():
+        local_shape[new_dim] = local.shape[old_dim]
+    placements = [Shard(moved[p.dim]) if isinstance(p, Shard) else p for p in placements_of(x)]
+    return build_shard_tensor(
+        func(local, local_shape),
+        mesh_of(x),
+        placements,
+        {new_dim: layouts[old_dim].sizes for old_dim, new_dim in moved.items()},
+    )
 
 
 def _row_counts(x: ShardTensor) -> dict[int, tuple[int, ...]]:

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 from physicsnemo_shardext.targets import _import_dotted, describe_target
 
-__all__ = ["ALIAS_PAIRS", "canonical_of", "collect_torch_aliases", "implied_entries", "torch_aliases"]
+__all__ = ["ALIAS_PAIRS", "TRACED_PAIRS", "canonical_of", "collect_torch_aliases", "implied_entries", "torch_aliases"]
 
 T = TypeVar("T")
 
@@ -171,6 +171,15 @@ ALIAS_PAIRS: tuple[tuple[str, str, bool], ...] = (
     ("torch.xlogy", "torch.special.xlogy", True),
 )
 
+#: ``(python-level op, builtin, True)``: written by hand. ``torch.compile`` (Dynamo) inlines these
+#: Python functions and records the builtin they call, whose ``__torch_function__`` then sees the
+#: builtin, not the name a handler was declared under; the pair lets that name reach the handler
+#: too. Eagerly the builtin never sees a ShardTensor (the Python function dispatches first).
+TRACED_PAIRS: tuple[tuple[str, str, bool], ...] = (
+    ("torch.nn.functional.pad", "torch._C._nn.pad", True),
+    ("torch.Tensor.unflatten", "torch._C.TensorBase.unflatten", True),
+)
+
 #: Namespaces whose docstrings are searched for "Alias for ..." (and whose names are public).
 _DOC_NAMESPACES: tuple[str, ...] = (
     "torch",
@@ -196,7 +205,7 @@ def _graph() -> tuple[dict[Any, tuple[Any, ...]], dict[Any, Any]]:
     """``({target: directly aliased targets}, {alias: canonical})`` of the objects this torch has."""
     edges: dict[Any, list[Any]] = {}
     canonical: dict[Any, Any] = {}
-    for canonical_name, alias_name, both_ways in ALIAS_PAIRS:
+    for canonical_name, alias_name, both_ways in ALIAS_PAIRS + TRACED_PAIRS:
         source, alias = _resolve(canonical_name), _resolve(alias_name)
         if source is None or alias is None or source is alias:
             continue

@@ -57,7 +57,15 @@ from physicsnemo_shardext.primitives.checks import (
     refuse_untracked_view_update,
     require_shard_input,
 )
-from physicsnemo_shardext.primitives.compilation import delegate_when_traced, eager_handler, is_tracing, refuse_tracing
+from physicsnemo_shardext.primitives.compilation import (
+    delegate_when_traced,
+    eager_handler,
+    handlers_traced,
+    is_tracing,
+    outside_trace,
+    refuse_tracing,
+    traced_constants,
+)
 from physicsnemo_shardext.primitives.conv_strips import (
     ConvStrips,
     conv_strip_geometry,
@@ -161,6 +169,7 @@ __all__ = [
     "dim_layout",
     "DimLayout",
     "eager_handler",
+    "handlers_traced",
     "elementwise_with_replicated",
     "ExchangePlan",
     "expand_to",
@@ -193,6 +202,7 @@ __all__ = [
     "start_return_rows",
     "profiled_range",
     "refuse_higher_order",
+    "outside_trace",
     "refuse_tracing",
     "refuse_untracked_view_update",
     "replicated_local",
@@ -213,6 +223,7 @@ __all__ = [
     "summed_over",
     "tensor_meta_of",
     "tie_to_graph",
+    "traced_constants",
     "transpose_shard",
     "unpack_bytes",
     "wrap_gradient",

@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
 
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.primitives.collectives import start_all_to_all
 from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.profiling import profiled_range
@@ -121,10 +121,7 @@ def _resplit(local: torch.Tensor, layout: DimLayout, dim: int, old: Sequence[int
         send_counts = [0 if c == me else pieces[c].shape[0] * per_row for c in order]
         recv_counts = [0 if c == me else recv_rows[c] * per_row for c in order]
         send = torch.cat([flat(pieces[c]) for c in order if c != me] or [flat(rows_first)[:0]])
-        recv = send.new_empty(sum(recv_counts))
-        dist.all_to_all_single(
-            recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=layout.group
-        )
+        recv = start_all_to_all(send, recv_counts, send_counts, layout.group)()
         for c, chunk in zip(order, torch.split(recv, recv_counts)):
             if c != me:
                 shape = (recv_rows[c], *rows_first.shape[1:])

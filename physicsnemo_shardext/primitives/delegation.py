@@ -41,6 +41,7 @@ from typing import Any
 from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 
 from physicsnemo_shardext.engine.baseline import builtin_handler
+from physicsnemo_shardext.primitives.compilation import inside_traced_handler, refuse_tracing
 
 __all__ = ["delegate", "fallback"]
 
@@ -77,5 +78,8 @@ def delegate(
     kwargs = kwargs or {}
     builtin = builtin_handler(func)
     if builtin is not None:
+        if inside_traced_handler():
+            # PhysicsNeMo's handlers exchange with in-place c10d calls, which a trace does not capture.
+            refuse_tracing(func, "The configuration is handed to PhysicsNeMo's built-in handler, which runs eagerly.")
         return builtin(func, types, args, kwargs)
     return fallback(func, args, kwargs)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from physicsnemo_shardext.primitives.collectives import gather_blocks
 from physicsnemo_shardext.primitives.layout import _group_ranks
 from physicsnemo_shardext.primitives.profiling import profiled_range
 
@@ -90,7 +90,6 @@ def all_gather_rows(
             padded.narrow(dim, 0, block.shape[dim]).copy_(block)
             block = padded
         block = block.contiguous()
-        received = [torch.empty_like(block) for _ in range(parts)]
-        dist.all_gather(received, block, group=mesh.get_group(mesh_dim))
+        received = gather_blocks(block, parts, mesh.get_group(mesh_dim))
         group_ranks = _group_ranks(mesh, mesh_dim, tuple(mesh.get_coordinate() or ()))
         return torch.cat([received[group_ranks[c]].narrow(dim, 0, sizes[c]) for c in range(parts)], dim=dim)

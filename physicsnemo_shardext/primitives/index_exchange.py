@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
+from physicsnemo_shardext.primitives.collectives import start_all_to_all
 from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout
 from physicsnemo_shardext.primitives.profiling import profiled_range
@@ -171,19 +171,10 @@ def _start_all_to_all(
     order = sorted(range(layout.parts), key=lambda c: layout.group_ranks[c])  # group-rank order
     send = torch.cat([pieces[c] for c in order]).contiguous()
     counts = [int(recv_counts[c]) for c in order]
-    recv = like.new_empty((sum(counts),) + tuple(like.shape[1:]))
-    work = dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=counts,
-        input_split_sizes=[int(pieces[c].shape[0]) for c in order],
-        group=layout.group,
-        async_op=True,
-    )
+    wait_for = start_all_to_all(send, counts, [int(pieces[c].shape[0]) for c in order], layout.group)
 
     def wait() -> list[torch.Tensor]:
-        if work is not None:
-            work.wait()
+        recv = wait_for()
         received = dict(zip(order, recv.split(counts)))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
         return [received[c] for c in range(layout.parts)]
 

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.primitives.compilation import outside_trace
 from physicsnemo_shardext.primitives.wrapping import wrap_local
 
 __all__ = [
@@ -135,9 +136,10 @@ def _group_ranks(mesh: DeviceMesh, mesh_dim: int, coordinate: tuple[int, ...]) -
     group = mesh.get_group(mesh_dim)
     coords = list(coordinate)
     globals_along_dim = []
-    for c in range(mesh.size(mesh_dim)):
-        coords[mesh_dim] = c
-        globals_along_dim.append(int(mesh.mesh[tuple(coords)].item()))
+    with outside_trace():  # first asked inside a trace: the rank grid is a real tensor
+        for c in range(mesh.size(mesh_dim)):
+            coords[mesh_dim] = c
+            globals_along_dim.append(int(mesh.mesh[tuple(coords)].item()))
     return tuple(dist.get_group_rank(group, g) for g in globals_along_dim)
 
 

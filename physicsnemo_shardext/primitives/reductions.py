@@ -52,9 +52,9 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from physicsnemo_shardext.primitives.collectives import reduce_copy
 from physicsnemo_shardext.primitives.profiling import profiled_range
 
 __all__ = ["all_reduce_sum", "max_over", "min_over", "sum_grad_over", "sum_to_replicated", "summed_over"]
@@ -82,7 +82,7 @@ def summed_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int])
     """
     total = value.detach().clone(memory_format=torch.contiguous_format)
     for mesh_dim in _spanning(mesh, mesh_dims):
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim))
+        total = reduce_copy(total, "sum", mesh.get_group(mesh_dim))
     return total
 
 
@@ -94,7 +94,7 @@ def _reduced_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int
         return result
     with profiled_range(name):
         for mesh_dim in spanning:
-            dist.all_reduce(result, op=op, group=mesh.get_group(mesh_dim))
+            result = reduce_copy(result, op, mesh.get_group(mesh_dim))
     return result
 
 
@@ -114,7 +114,7 @@ def max_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) ->
         >>> max_over(torch.tensor([rank + 1.0, -rank]), mesh, [0])
         tensor([2., 0.])
     """
-    return _reduced_over(value, mesh, mesh_dims, dist.ReduceOp.MAX, "shardext.max_over")
+    return _reduced_over(value, mesh, mesh_dims, "max", "shardext.max_over")
 
 
 def min_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) -> torch.Tensor:
@@ -131,7 +131,7 @@ def min_over(value: torch.Tensor, mesh: DeviceMesh, mesh_dims: Sequence[int]) ->
         >>> min_over(torch.tensor([rank + 1, 5 - rank]), mesh, [0])
         tensor([1, 4])
     """
-    return _reduced_over(value, mesh, mesh_dims, dist.ReduceOp.MIN, "shardext.min_over")
+    return _reduced_over(value, mesh, mesh_dims, "min", "shardext.min_over")
 
 
 def _apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:

@@ -50,8 +50,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from physicsnemo_shardext.primitives.collectives import start_all_to_all
 from physicsnemo_shardext.primitives.layout import DimLayout
 from physicsnemo_shardext.primitives.profiling import profiled_range
 
@@ -143,9 +143,7 @@ def ring_shift(send: torch.Tensor, layout: DimLayout, recv_numel: int) -> torch.
             if recv_numel != send.numel():
                 raise ValueError(f"ring_shift: one rank sends {send.numel()} elements to itself, expects {recv_numel}")
             return send.clone()
-        received = send.new_empty(recv_numel)
         in_splits, out_splits = [0] * parts, [0] * parts
         in_splits[layout.group_ranks[(coord + 1) % parts]] = send.numel()
         out_splits[layout.group_ranks[(coord - 1) % parts]] = recv_numel
-        dist.all_to_all_single(received, send.contiguous(), out_splits, in_splits, group=layout.group)
-        return received
+        return start_all_to_all(send, out_splits, in_splits, layout.group)()

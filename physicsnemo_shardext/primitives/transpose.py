@@ -41,11 +41,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
 from torch.distributed.tensor import Shard
 
 from physicsnemo_shardext.errors import MissingShardPatch
+from physicsnemo_shardext.primitives.collectives import start_all_to_all
 from physicsnemo_shardext.primitives.higher_order import linear_backward
 from physicsnemo_shardext.primitives.layout import DimLayout, build_shard_tensor, sharded_dims
 from physicsnemo_shardext.primitives.profiling import profiled_range
@@ -118,16 +118,13 @@ def _exchange(
     send_counts = [0 if c == me else pieces[c].numel() * per_element for c in order]
     recv_counts = [0 if c == me else int(torch.Size(recv_shapes[c]).numel()) * per_element for c in order]
     send = torch.cat([flat(pieces[c]) for c in order if c != me] or [flat(local)[:0]])
-    real_dtype = send.dtype
-    recv = torch.empty(sum(recv_counts), dtype=real_dtype, device=local.device)
+    recv = send.new_empty(sum(recv_counts))
     # Skip the collective only when *no* pair of ranks exchanges rows: a decision every rank of
     # the group takes identically (rows per coordinate are known everywhere), so none waits alone.
     inner = _inner(local, cut_dim, join_dim)
     crosses = inner > 0 and any(join_sizes[a] * cut_sizes[b] for a in range(parts) for b in range(parts) if a != b)
     if crosses:
-        dist.all_to_all_single(
-            recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=layout.group
-        )
+        recv = start_all_to_all(send, recv_counts, send_counts, layout.group)()
     chunks = dict(zip(order, recv.split(recv_counts)))  # type: ignore[no-untyped-call]  # torch's Tensor.split is unannotated
     received = []
     for c in range(parts):

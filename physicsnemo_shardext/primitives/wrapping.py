@@ -45,6 +45,7 @@ import torch
 from physicsnemo.domain_parallel import ShardTensor
 from physicsnemo.domain_parallel import shard_tensor as _shard_tensor_module
 from physicsnemo.domain_parallel._shard_tensor_spec import _infer_shard_tensor_spec_from_local_chunks
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
@@ -191,6 +192,9 @@ def _spec_for(
 ) -> Any:
     """PhysicsNeMo's spec for ``local`` with explicit sharding shapes, built once per key."""
     frozen = _frozen(sharding_shapes)
+    if is_fake(local):
+        # A traced block's strides need not be an eager one's: never cache (or reuse) its spec.
+        return _infer_shard_tensor_spec_from_local_chunks(local, mesh, placements, dict(frozen))
     key = (mesh, placements, frozen, tuple(local.shape), local.dtype)
     spec = _SPEC_CACHE.get(key)
     if spec is None:
